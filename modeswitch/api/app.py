@@ -1,0 +1,217 @@
+"""Flask routes: OpenAI-style completions and chat (JSON or SSE), models, modes, health, policy admin."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from ..controller.decide import NoEligibleMode
+from ..engines.base import SamplingParams
+from ..service import Generation, GenerationError, Service
+from ..yamlconf import ConfigError
+from .errors import ApiError
+from .schemas import ChatBody, CompletionBody, parse
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_CHAT_MAX_TOKENS = 256
+RETRY_AFTER_S = 1
+
+
+def create_app(service: Service) -> Flask:
+    app = Flask("modeswitch")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.json.sort_keys = False
+    started = int(time.time())
+
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        return exc.response()
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        message = {404: "no such route", 405: "method not allowed", 413: f"request body over {MAX_BODY_BYTES} bytes"}
+        return ApiError(exc.code or 500, message.get(exc.code, exc.description or exc.name)).response()
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error")
+        return ApiError(500, f"internal error: {exc.__class__.__name__}").response()
+
+    def body() -> Any:
+        data = request.get_json(silent=True, force=True)
+        if data is None:
+            raise ApiError(400, "the request body is not valid JSON")
+        return data
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != service.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {service.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_mode(name: str | None) -> None:
+        if name is not None and name not in service.pool.modes:
+            raise ApiError(400, f"unknown mode {name!r}; modes: {', '.join(service.pool.modes)}", param="mode")
+
+    def limit_tokens(prompt_ids: list[int], max_tokens: int | None, default: int) -> int:
+        ctx = service.pool.context_length
+        if len(prompt_ids) >= ctx:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {ctx}",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return min(default, ctx - len(prompt_ids))
+        if len(prompt_ids) + max_tokens > ctx:
+            raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
+                           f"model's context of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    def start(prompt_ids: list[int], req, max_tokens: int) -> Generation:
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p)
+        try:
+            return service.start(prompt_ids, params, req.stop_list, req.mode)
+        except NoEligibleMode as exc:
+            if req.mode is not None and not exc.saturated:
+                raise ApiError(400, str(exc), param="mode", code="mode_unavailable") from None
+            raise ApiError(503, str(exc), code="overloaded" if exc.saturated else "no_eligible_mode",
+                           retry_after=RETRY_AFTER_S) from None
+
+    # ------------------------------------------------------------------ generation routes
+    @app.post("/v1/completions")
+    def completions():
+        req = parse(CompletionBody, body())
+        check_model(req.model)
+        check_mode(req.mode)
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
+        if isinstance(prompt, str):
+            prompt_ids = service.tokenizer(prompt).input_ids
+        else:
+            vocab = len(service.tokenizer)
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        gen = start(prompt_ids, req, limit_tokens(prompt_ids, req.max_tokens, 16))
+        return respond(gen, req, "text_completion", lambda delta: {"text": delta, "logprobs": None})
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        req = parse(ChatBody, body())
+        check_model(req.model)
+        check_mode(req.mode)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in req.messages]
+        try:
+            prompt_ids = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=True)["input_ids"]
+        except Exception as exc:  # templates may reject role orders
+            raise ApiError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        gen = start(list(prompt_ids), req, limit_tokens(list(prompt_ids), max_tokens, DEFAULT_CHAT_MAX_TOKENS))
+        return respond(gen, req, "chat.completion", None)
+
+    def respond(gen: Generation, req, kind: str, piece: Callable[[str], dict] | None) -> Response:
+        """Non-streaming JSON or SSE; ``piece`` builds a completions choice (None means chat)."""
+        rid = ("chatcmpl-" if piece is None else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        headers = {"X-ModeSwitch-Mode": gen.mode}
+        if req.stream:
+            stream = sse(gen, req, rid, created, kind, piece)
+            return Response(stream, mimetype="text/event-stream",
+                            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text = "".join(gen.deltas())
+        except GenerationError as exc:
+            raise ApiError(500, str(exc), code="mode_failed") from None
+        if piece is None:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": gen.finish_reason}
+        else:
+            choice = {"index": 0, **piece(text), "finish_reason": gen.finish_reason}
+        resp = jsonify({"id": rid, "object": kind, "created": created, "model": service.model_name,
+                        "choices": [choice], "usage": usage(gen), "modeswitch": gen.report()})
+        resp.headers.update(headers)
+        return resp
+
+    def usage(gen: Generation) -> dict:
+        prompt = len(gen.request.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
+                "total_tokens": prompt + gen.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+    def sse(gen: Generation, req, rid: str, created: int, kind: str, piece) -> Iterator[str]:
+        obj = kind + ".chunk" if piece is None else kind
+
+        def chunk(delta: dict | None, finish: str | None, **extra) -> str:
+            choices = [] if delta is None else [{"index": 0, **delta, "finish_reason": finish}]
+            payload = {"id": rid, "object": obj, "created": created, "model": service.model_name, "choices": choices,
+                       **extra}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        def wrap(text: str) -> dict:
+            return {"delta": {"content": text}} if piece is None else piece(text)
+
+        first = gen.report()
+        del first["timings"]
+        head = {"delta": {"role": "assistant", "content": ""}} if piece is None else piece("")
+        yield chunk(head, None, modeswitch=first)
+        try:
+            for delta in gen.deltas():
+                yield chunk(wrap(delta), None)
+        except GenerationError as exc:
+            yield f"data: {json.dumps(ApiError(500, str(exc), code='mode_failed').body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        yield chunk({"delta": {}} if piece is None else piece(""), gen.finish_reason, modeswitch=gen.report())
+        if req.include_usage:
+            yield chunk(None, None, usage=usage(gen))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ information routes
+    @app.get("/health")
+    def health():
+        available = len(service.pool.available())
+        status = 200 if available else 503
+        return jsonify({"status": "ok" if available else "no mode available", "model": service.model_name,
+                        "modes_available": available}), status
+
+    @app.get("/v1/models")
+    def models():
+        return jsonify({"object": "list", "data": [{"id": service.model_name, "object": "model", "created": started,
+                                                    "owned_by": "modeswitch",
+                                                    "max_model_len": service.pool.context_length}]})
+
+    @app.get("/v1/modes")
+    def modes():
+        policy = service.controller.policy
+        return jsonify({"modes": service.pool.describe(), "policy": {"name": policy.name, "source": policy.source},
+                        "resident_weight_bytes": service.pool.resident_bytes()})
+
+    # ------------------------------------------------------------------ admin
+    @app.get("/admin/policy")
+    def get_policy():
+        p = service.controller.policy
+        return jsonify({"name": p.name, "source": p.source, "description": p.description,
+                        "rules": [{"name": r.name, "use": list(r.use),
+                                   "when": [f"{c.feature} {c.op} {c.value:g}" for c in r.conditions]} for r in p.rules],
+                        "default": list(p.default), "fallback": list(p.fallback)})
+
+    @app.post("/admin/policy")
+    def reload_policy():
+        data = request.get_json(silent=True, force=True) if request.data else {}
+        if not isinstance(data, dict) or not isinstance(data.get("path", ""), str):
+            raise ApiError(400, 'body must be empty or {"path": "policies/NAME.yaml"}', param="path")
+        try:
+            policy = service.controller.reload(data.get("path") or None)
+        except ConfigError as exc:
+            raise ApiError(400, f"policy not changed: {exc}", param="path", code="invalid_policy") from None
+        log.info("policy reloaded: %s from %s", policy.name, policy.source)
+        return jsonify({"name": policy.name, "source": policy.source, "rules": len(policy.rules)})
+
+    return app

@@ -1,0 +1,86 @@
+"""Request bodies, validated with pydantic at the HTTP edge (strict types: ``"16"`` is not a number).
+
+Unknown fields are ignored, as OpenAI clients send many optional ones; fields we know but cannot honour
+yet are rejected with a clear message instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ApiError
+
+MAX_STOP = 4
+NonNegFloat = Annotated[float, Field(ge=0.0, le=2.0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Field(ge=1, le=1, description="only n=1 is supported")] = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    mode: str | None = Field(default=None, description="pin a mode by name (honoured only if it is available)")
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(_Body):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: None = Field(default=None, description="not supported yet")
+    echo: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+
+    @model_validator(mode="after")
+    def _text_parts_only(self):
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Literal[False] | None = None
+
+
+def parse(model: type[BaseModel], data) -> BaseModel:
+    """Validate ``data`` or raise a 400 naming the first offending field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "str", "int", "function")))
+        raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param or None) from None

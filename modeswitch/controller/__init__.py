@@ -1,0 +1,1 @@
+"""The per-request mode controller: features → gates (filter) → policy (score/choose) → Decision."""

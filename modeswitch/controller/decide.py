@@ -1,0 +1,84 @@
+"""The decision pipeline for one request: gates filter modes, the policy chooses, the reason is recorded.
+
+The controller holds the current policy behind one reference: a reload parses and validates the new
+file completely first and swaps the reference only on success, so a broken file never replaces a
+working policy and requests in progress keep the policy they started with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from ..pool import ModePool
+from .features import Features
+from .gates import DEFAULT_GATES, Gate
+from .rules import RulePolicy, load_policy
+
+
+class NoEligibleMode(RuntimeError):
+    """Every mode the policy could use is filtered; ``saturated`` tells whether waiting would help."""
+
+    def __init__(self, message: str, saturated: bool) -> None:
+        super().__init__(message)
+        self.saturated = saturated
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: str
+    reason: str
+    features: Features
+    filtered: Mapping[str, str] = field(default_factory=dict)
+    policy: str = ""
+    decision_us: float = 0.0
+
+
+class Controller:
+    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.gates = tuple(gates)
+        self._reload_lock = threading.Lock()
+
+    def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, str]:
+        """Modes a gate rejects for this request, with the first gate's reason."""
+        filtered: dict[str, str] = {}
+        for name, state in self.pool.modes.items():
+            if name in exclude:
+                filtered[name] = "excluded after a failed attempt"
+                continue
+            for gate in self.gates:
+                why = gate.check(state, features)
+                if why is not None:
+                    filtered[name] = why
+                    break
+        return filtered
+
+    def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
+        start = time.perf_counter()
+        policy = self.policy
+        filtered = self.filter(features, exclude)
+        if pinned is not None:
+            if pinned in filtered:
+                raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
+                                     saturated=filtered[pinned].startswith("saturated"))
+            mode, reason = pinned, "pinned by the request"
+        else:
+            choice = policy.choose(features, filtered)
+            if choice.mode is None:
+                saturated = any(v.startswith("saturated") for v in filtered.values())
+                raise NoEligibleMode(choice.reason, saturated)
+            mode, reason = choice.mode, f"policy {policy.name}: {choice.reason}"
+        elapsed = (time.perf_counter() - start) * 1e6
+        return Decision(mode, reason, features, filtered, policy.name, elapsed)
+
+    def reload(self, path: str | Path | None = None) -> RulePolicy:
+        """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""
+        with self._reload_lock:
+            new = load_policy(path or self.policy.source, self.pool.modes.keys())
+            self.policy = new
+            return new

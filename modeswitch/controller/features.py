@@ -1,0 +1,36 @@
+"""Cheap per-request features: what the controller knows when it picks a mode.
+
+Everything here must cost microseconds: counts the request already carries, a radix-tree walk for the
+prefix match, counters the engines keep, and one memory reading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+#: Feature names a policy rule may test, with their meaning (policies are validated against this).
+FEATURE_DOCS = {
+    "prompt_tokens": "tokens in the prompt",
+    "max_tokens": "tokens the request may generate (its expected output length)",
+    "prefix_match_tokens": "leading prompt tokens whose KV a prefix-cache mode already holds",
+    "prefix_match_ratio": "prefix_match_tokens / prompt_tokens",
+    "queue_depth": "requests in flight (queued or running) over all modes",
+    "memory_headroom": "free fraction of the device memory the models live in (0..1)",
+    "memory_free_gb": "free device memory in GiB",
+    "greedy": "1 when the request decodes greedily (temperature 0), else 0",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    prompt_tokens: int
+    max_tokens: int
+    prefix_match_tokens: int
+    prefix_match_ratio: float
+    queue_depth: int
+    memory_headroom: float
+    memory_free_gb: float
+    greedy: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)

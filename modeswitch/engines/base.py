@@ -1,0 +1,126 @@
+"""The one engine interface every mode is served through.
+
+An engine worker owns a queue of :class:`GenRequest` and runs the model on its own thread(s); the HTTP
+request thread only submits and then reads :class:`Event` objects from the request's own queue. Text,
+stop strings and OpenAI formatting live above this layer (``modeswitch.service``), so engines deal in
+token ids only and share no formatting code.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class QueueFull(RuntimeError):
+    """The engine's bounded queue is full; the caller should try another mode or answer 503."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the engine needs to know about decoding. ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One message from an engine to the request that owns it.
+
+    kind ``tokens``: ``token_ids`` were generated (one or more, speculative steps emit several).
+    kind ``done``: generation ended; ``info`` has ``finish_reason`` (``stop`` | ``length`` | ``cancelled``),
+    ``cached_tokens`` and any mode-specific statistics.
+    kind ``error``: the engine failed this request; ``info["error"]`` says why.
+    """
+
+    kind: str
+    token_ids: tuple[int, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenRequest:
+    """A tokenized request handed to an engine, with the channel its events go back on."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    on_finish: list[Callable[[], None]] = field(default_factory=list)
+    finished: bool = False
+
+    def emit(self, kind: str, token_ids=(), **info) -> None:
+        """Send an event to the request's reader; the first terminal event also runs ``on_finish`` hooks."""
+        if self.finished:
+            return
+        if kind in ("done", "error"):
+            self.finished = True
+            for hook in self.on_finish:
+                hook()
+        self.events.put(Event(kind, tuple(token_ids), info))
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Engine(ABC):
+    """One mode's worker: a bounded queue in front of a model that generates token ids.
+
+    Implementations call :meth:`GenRequest.emit` from their worker thread and never raise into the
+    request thread: a failure of one request becomes an ``error`` event for that request alone.
+    """
+
+    #: False for engines whose decoding settings are fixed at start (they serve greedy requests only).
+    supports_sampling = True
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not finished (waiting or running): the mode's queue depth feature."""
+        return self._in_flight
+
+    def submit(self, req: GenRequest) -> None:
+        """Accept ``req`` or raise :class:`QueueFull`; never blocks on generation."""
+        with self._lock:
+            if self._in_flight >= self.max_queue:
+                raise QueueFull(f"{self._in_flight} requests in flight, limit {self.max_queue}")
+            self._in_flight += 1
+        req.on_finish.append(self._release)
+        try:
+            self._enqueue(req)
+        except Exception as exc:
+            req.emit("error", error=f"could not enqueue: {exc}")
+            raise
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @abstractmethod
+    def _enqueue(self, req: GenRequest) -> None:
+        """Hand an accepted request to the worker."""
+
+    def stats(self) -> dict[str, Any]:
+        """Mode-specific counters for ``/v1/modes`` (prefix hits, speculative acceptance, ...)."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the worker threads; pending requests get an ``error`` event."""

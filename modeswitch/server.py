@@ -1,0 +1,90 @@
+"""Command line: build the pool, the controller and the app, then serve them with waitress (threaded WSGI)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .controller.decide import Controller
+from .controller.rules import load_policy
+from .models import PRESETS, WeightsNotFound, resolve_preset
+from .modes import DEFAULT_MODES_DIR, load_modes
+from .pool import ModePool
+from .service import Service
+from .yamlconf import ConfigError
+
+log = logging.getLogger("modeswitch")
+DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "paper.yaml"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve.py", description="ModeSwitch: one model, many inference modes, "
+                                "a mode chosen per request. OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default="demo",
+                   help=f"preset ({', '.join(PRESETS)}) or any Llama-family causal LM as hub id or local path")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default=str(DEFAULT_POLICY), help="rule policy YAML (default: policies/paper.yaml)")
+    p.add_argument("--engine", default="transformers", choices=["transformers"], help="inference engine")
+    p.add_argument("--modes-dir", default=str(DEFAULT_MODES_DIR), help="directory of mode definitions")
+    p.add_argument("--modes", default=None, help="comma-separated subset of modes to load (default: all)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="dtype of the reference weights (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
+    return p
+
+
+def build_service(args: argparse.Namespace, progress=log.info) -> Service:
+    """Everything but the HTTP server; raises WeightsNotFound / ConfigError with a clear message."""
+    modes = load_modes(Path(args.modes_dir))
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = sorted(set(wanted) - {m.name for m in modes})
+        if unknown:
+            raise ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; defined: {', '.join(m.name for m in modes)}")
+        modes = [m for m in modes if m.name in wanted]
+    policy = load_policy(args.policy, [m.name for m in modes])
+    preset = resolve_preset(args.model)
+    pool = ModePool(preset, modes, device=args.device, dtype=args.dtype)
+    pool.load(progress)
+    return Service(pool, Controller(pool, policy), preset.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    try:
+        service = build_service(args)
+    except (WeightsNotFound, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from waitress import create_server
+
+    from .api.app import create_app
+
+    def on_sighup(signum, frame):
+        try:
+            policy = service.controller.reload()
+            log.info("SIGHUP: policy reloaded: %s", policy.name)
+        except ConfigError as exc:
+            log.error("SIGHUP: policy not changed: %s", exc)
+
+    signal.signal(signal.SIGHUP, on_sighup)
+    server = create_server(create_app(service), host=args.host, port=args.port, threads=args.threads,
+                           channel_timeout=600)
+    available = ", ".join(m.name for m in service.pool.available())
+    log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
+             time.perf_counter() - started, service.model_name, available, args.host, server.effective_port)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        service.pool.close()
+    return 0
