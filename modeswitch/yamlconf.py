@@ -101,5 +101,7 @@ class Section:
 
 def _names(types: type | tuple[type, ...]) -> str:
     types = types if isinstance(types, tuple) else (types,)
+    if set(types) == {int, float}:
+        return "a number"
     return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
                         "list": "a list", "dict": "a mapping"}.get(t.__name__, t.__name__) for t in types)

@@ -6,20 +6,16 @@ policy file (reload, SIGHUP) and give fp16 a small queue (saturation -> 503) wit
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
+from modeswitch.launcher import ROOT, start_server
 FP16_QUEUE = 2  # the test server's fp16 queue bound, small enough to saturate
 
 
@@ -45,34 +41,6 @@ class Server:
 
     def sighup(self) -> None:
         self.proc.send_signal(signal.SIGHUP)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(tmp: Path, *extra: str, wait_s: float = 600) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    log_file = tmp / f"server-{port}.log"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "serve.py"), "--port", str(port), *extra],
-        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_file.read_text()[-4000:]}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log_file
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server not ready in {wait_s} s:\n{log_file.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="session")

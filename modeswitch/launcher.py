@@ -1,0 +1,47 @@
+"""Start ``serve.py`` as a child process on a free loopback port and wait until it is healthy.
+
+Used by the test suite's session fixture and by the benchmarks, so both measure the server exactly
+as a user starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_dir: Path, *args: str, wait_s: float = 600) -> tuple[subprocess.Popen, str, Path]:
+    """Run ``serve.py --port P *args``; return (process, base URL, log file) once /health answers 200."""
+    port = free_port()
+    log_file = Path(log_dir) / f"server-{port}.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "serve.py"), "--port", str(port), *args],
+        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_file.read_text()[-4000:]}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, log_file
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server not ready in {wait_s} s:\n{log_file.read_text()[-4000:]}")

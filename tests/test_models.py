@@ -1,0 +1,47 @@
+"""Weights resolution: the demo preset converts from the shipped GGUF; missing weights fail clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from modeswitch.models import PRESETS, WeightsNotFound, local_or_hub, prepare_demo_checkpoint
+
+
+def test_demo_checkpoint_is_a_real_llama_checkpoint():
+    path = prepare_demo_checkpoint()
+    assert (path / "config.json").is_file() and (path / "model.safetensors").stat().st_size > 100e6
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
+
+
+def test_llama_preset_names_every_variant():
+    p = PRESETS["llama-3.1-8b"]
+    assert p.fp16 == "meta-llama/Llama-3.1-8B-Instruct"
+    assert p.gptq and p.draft and p.int8_vllm
+
+
+def test_missing_local_path_and_uncached_hub_id(monkeypatch, tmp_path):
+    with pytest.raises(WeightsNotFound, match="no directory"):
+        local_or_hub(str(tmp_path / "nothing-here"), "model x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightsNotFound, match="no config.json"):
+        local_or_hub(str(tmp_path / "empty"), "model x")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(WeightsNotFound, match="huggingface-cli download meta-llama/Llama-3.1-8B-Instruct"):
+        local_or_hub("meta-llama/Llama-3.1-8B-Instruct", "model llama-3.1-8b")
+
+
+def test_serve_exits_nonzero_with_one_clear_line_when_weights_are_missing(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--model", "llama-3.1-8b", "--port", "1"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert "error: model llama-3.1-8b (fp16 weights): meta-llama/Llama-3.1-8B-Instruct is not in the local" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,68 @@
+"""Rule policies: validation errors name file, line and field; first match wins; gated modes fall through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from modeswitch.controller.features import Features
+from modeswitch.controller.rules import load_policy, parse_policy
+from modeswitch.modes import load_modes
+from modeswitch.yamlconf import ConfigError, load_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = [m.name for m in load_modes()]
+
+
+def feats(**kw) -> Features:
+    base = dict(prompt_tokens=100, max_tokens=32, prefix_match_tokens=0, prefix_match_ratio=0.0, queue_depth=0,
+                memory_headroom=0.9, memory_free_gb=20.0, greedy=1)
+    return Features(**{**base, **kw})
+
+
+def policy_from(text: str, name: str = "p.yaml"):
+    return parse_policy(load_yaml(name, text), name, MODES)
+
+
+def test_shipped_policies_load():
+    for path in sorted((ROOT / "policies").glob("*.yaml")):
+        policy = load_policy(path, MODES)
+        assert policy.default
+
+
+@pytest.mark.parametrize("text, where, fragment", [
+    ("rules: []\ndefault: fp17\n", "p.yaml:2", "unknown mode 'fp17'"),
+    ("rules:\n  - when: {queue_depth: {gte: 4}}\n    use: fp16\ndefault: fp16\n", "p.yaml:2", "gte"),
+    ("rules:\n  - when: {queue_depth: {ge: four}}\n    use: fp16\ndefault: fp16\n", "p.yaml:2", "expected a number"),
+    ("rules:\n  - use: fp16\n    when:\n      depth: {ge: 1}\ndefault: fp16\n", "p.yaml:4", "unknown feature"),
+    ("rules: []\n", "p.yaml", "default: is required"),
+    ("rules: []\ndefault: fp16\ncolour: red\n", "p.yaml:3", "colour: unknown field"),
+    ("rules: [\n", "p.yaml:2", "invalid YAML"),
+    ("- just\n- a list\n", "p.yaml", "expected a mapping"),
+])
+def test_invalid_policies_are_rejected_with_their_location(text, where, fragment):
+    with pytest.raises(ConfigError) as exc:
+        policy_from(text)
+    assert where in str(exc.value) and fragment in str(exc.value)
+
+
+def test_first_matching_rule_wins_and_gates_decide_among_its_modes():
+    policy = load_policy(ROOT / "policies" / "paper.yaml", MODES)
+    # Nothing filtered: the shared-prefix rule's first choice.
+    choice = policy.choose(feats(prefix_match_tokens=90, prefix_match_ratio=0.9), {})
+    assert choice.mode == "gptq+prefix_cache" and choice.rule == "shared-prefix"
+    # Its first choice gated: the next in the rule's list, with the skip explained.
+    choice = policy.choose(feats(prefix_match_tokens=90, prefix_match_ratio=0.9), {"gptq+prefix_cache": "unavailable: x"})
+    assert choice.mode == "prefix_cache" and "skipped gptq+prefix_cache: unavailable: x" in choice.reason
+    # Earlier rules win: concurrency beats shared prefix.
+    assert policy.choose(feats(queue_depth=5, prefix_match_tokens=90, prefix_match_ratio=0.9), {}).rule == "many-concurrent"
+    # Both conditions of a rule must hold.
+    assert policy.choose(feats(prompt_tokens=100, max_tokens=64), {}).rule is None
+    assert policy.choose(feats(prompt_tokens=100, max_tokens=200), {}).mode == "speculative"
+    # Everything in the rule's list gated: the policy's fallback.
+    choice = policy.choose(feats(max_tokens=200), {"speculative": "saturated: 8/8 in flight"})
+    assert choice.mode == "fp16" and "(fallback)" in choice.reason
+    # Nothing left at all.
+    choice = policy.choose(feats(), {m: "unavailable" for m in MODES})
+    assert choice.mode is None and "no eligible mode" in choice.reason
