@@ -112,9 +112,8 @@ class Generation:
                     self.cached_tokens = event.info.get("cached_tokens", 0)
                     reason = event.info.get("finish_reason", "length")
                     self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
-                    for key in ("speculative",):
-                        if key in event.info:
-                            self.extra[key] = event.info[key]
+                    if "speculative" in event.info:
+                        self.extra["speculative"] = event.info["speculative"]
                     tail = self.assembler.flush()
                     if tail:
                         yield tail

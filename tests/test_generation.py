@@ -162,3 +162,14 @@ def test_openai_client_talks_to_the_server(server):
     chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say hi"}],
                                           max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices).strip()
+
+
+def test_all_modes_at_once_on_shared_weights_each_match_fp16(server):
+    """The four served modes run concurrently on one copy of the weights; none disturbs another's output."""
+    expected = {p: server.complete(p, max_tokens=16, mode="fp16")["choices"][0]["text"] for p in PROMPTS[:4]}
+    jobs = [(p, m) for p in PROMPTS[:4] for m in ("prefix_cache", "speculative", "continuous_batching")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: server.complete(job[0], max_tokens=16, mode=job[1]), jobs))
+    for (prompt, mode), body in zip(jobs, results):
+        assert body["modeswitch"]["mode"] == mode
+        assert body["choices"][0]["text"] == expected[prompt], (mode, prompt)

@@ -51,7 +51,32 @@ def load_causal_lm(path_or_id: str, device: torch.device, dtype: torch.dtype, wh
             f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
             "download it with `huggingface-cli download ID` on a machine with access, or pass a local path"
         ) from exc
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    serialize_forward(model)
+    return model
+
+
+def serialize_forward(model) -> None:
+    """Make forward passes on ``model`` mutually exclusive across threads (idempotent).
+
+    Modes that share weights share the model object, and each engine steps it from its own thread.
+    transformers' forward is not re-entrant across threads: it temporarily writes ``config.is_causal``
+    when a caller passes ``is_causal`` (the continuous-batching runner passes False) and restores it in a
+    ``finally``; two overlapping forwards can leave ``is_causal=False`` behind for good, after which every
+    plain ``generate`` prefill attends to future tokens (seen here: fp16 turned to garbage after one
+    concurrent continuous-batching step). One lock per model makes engines interleave step by step.
+    """
+    if getattr(model, "_modeswitch_forward_lock", None) is not None:
+        return
+    lock = threading.Lock()
+    forward = model.forward
+
+    def locked_forward(*args, **kwargs):
+        with lock:
+            return forward(*args, **kwargs)
+
+    model._modeswitch_forward_lock = lock
+    model.forward = locked_forward
 
 
 def eos_ids(model) -> set[int]:
