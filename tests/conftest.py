@@ -50,9 +50,15 @@ def server(tmp_path_factory) -> Server:
     shutil.copytree(ROOT / "modes", modes)
     fp16 = modes / "fp16.yaml"
     fp16.write_text(fp16.read_text().replace("max_queue: 8", f"max_queue: {FP16_QUEUE}"))
+    # The speculative variants, and one mode that cannot be served (the demo preset has no draft model).
+    extra = tmp / "extra"
+    shutil.copytree(ROOT / "modes" / "extra", extra)
+    (extra / "speculative_draft_model.yaml").write_text(
+        "name: speculative_draft_model\nweights: fp16\ndecoding: speculative\nspeculative: {draft: model}\n")
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
-    proc, url, log_file = start_server(tmp, "--model", "demo", "--modes-dir", str(modes), "--policy", str(policy))
+    proc, url, log_file = start_server(tmp, "--model", "demo", "--modes-dir", str(modes), "--modes-dir", str(extra),
+                                       "--policy", str(policy))
     yield Server(url, proc, policy, log_file)
     proc.terminate()
     try:

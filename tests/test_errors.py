@@ -65,7 +65,7 @@ def test_unknown_mode_is_400(server):
 
 
 def test_pinning_an_unavailable_mode_is_refused_not_rerouted(server):
-    err = error_of(server.post("/v1/completions", json={**GOOD, "mode": "gptq"}), 400)
+    err = error_of(server.post("/v1/completions", json={**GOOD, "mode": "speculative_draft_model"}), 400)
     assert err["code"] == "mode_unavailable" and "unavailable" in err["message"]
 
 

@@ -43,5 +43,5 @@ def test_serve_exits_nonzero_with_one_clear_line_when_weights_are_missing(tmp_pa
     out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--model", "llama-3.1-8b", "--port", "1"],
                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert out.returncode == 2
-    assert "error: model llama-3.1-8b (fp16 weights): meta-llama/Llama-3.1-8B-Instruct is not in the local" in out.stderr
+    assert "error: fp16 weights of llama-3.1-8b: meta-llama/Llama-3.1-8B-Instruct is not in the local" in out.stderr
     assert "Traceback" not in out.stderr

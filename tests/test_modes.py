@@ -9,7 +9,7 @@ from modeswitch.yamlconf import ConfigError, load_yaml
 
 REFERENCE = {"fp16", "gptq", "int8", "speculative", "prefix_cache", "continuous_batching", "gptq+prefix_cache",
              "int8+continuous_batching"}
-SERVED_NOW = {"fp16", "speculative", "prefix_cache", "continuous_batching"}
+EXTRA = {"speculative_ngram", "speculative_gptq_draft"}  # modes/extra, loaded by the test server
 
 
 def test_the_reference_set_of_8_modes_is_shipped():
@@ -34,24 +34,36 @@ def test_invalid_mode_files_name_the_problem(text, fragment):
     assert fragment in str(exc.value)
 
 
-def test_modes_endpoint_lists_all_8_with_status_and_reason(server):
+def test_modes_endpoint_lists_all_8_available_and_an_unservable_one_with_its_reason(server):
     body = server.get("/v1/modes").json()
     modes = {m["name"]: m for m in body["modes"]}
-    assert set(modes) == REFERENCE
-    for name, m in modes.items():
-        assert m["engine"] == "transformers"
-        if name in SERVED_NOW:
-            assert m["status"] == "available" and m["reason"] == ""
-        else:
-            assert m["status"] == "unavailable" and "not served by the transformers engine yet" in m["reason"]
+    assert set(modes) == REFERENCE | EXTRA | {"speculative_draft_model"}
+    for name in REFERENCE | EXTRA:
+        assert modes[name]["status"] == "available" and modes[name]["reason"] == "", modes[name]
+        assert modes[name]["engine"] == "transformers"
+    broken = modes["speculative_draft_model"]
+    assert broken["status"] == "unavailable" and "has no draft checkpoint" in broken["reason"]
     assert modes["prefix_cache"]["stats"]["prefix_capacity_tokens"] == 8192
+    assert modes["speculative_gptq_draft"]["draft"] == "gptq weights of demo (self-draft)"
     assert body["policy"]["name"] == "paper"
-    # fp16, prefix_cache, speculative and continuous_batching share one copy of the weights (~540 MB fp32)
-    assert 400e6 < body["resident_weight_bytes"] < 700e6
+
+
+def test_modes_share_weights_and_report_memory(server):
+    body = server.get("/v1/modes").json()
+    modes = {m["name"]: m["memory"] for m in body["modes"] if m["status"] == "available"}
+    mem = body["memory"]
+    # three resident copies at most: fp16, gptq, int8 (every other mode shares one of them)
+    assert set(mem["weights_bytes"]) == {"fp16", "gptq", "int8"}
+    assert mem["weights_total_bytes"] == sum(mem["weights_bytes"].values())
+    assert modes["prefix_cache"]["weights_bytes"] == modes["fp16"]["weights_bytes"] == mem["weights_bytes"]["fp16"]
+    assert "gptq+prefix_cache" in modes["gptq"]["weights_shared_with"]
+    assert "speculative_gptq_draft" in modes["gptq"]["weights_shared_with"]  # the self-draft costs no weights
+    assert modes["prefix_cache"]["kv_bytes"] > modes["fp16"]["kv_bytes"] > 0  # stored prefixes are reserved
+    assert mem["planned_total_bytes"] <= mem["budget_bytes"]
 
 
 def test_models_and_health(server):
     models = server.get("/v1/models").json()
     assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 8192
     health = server.get("/health").json()
-    assert health["status"] == "ok" and health["modes_available"] == len(SERVED_NOW)
+    assert health["status"] == "ok" and health["modes_available"] == len(REFERENCE | EXTRA)

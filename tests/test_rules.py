@@ -66,3 +66,15 @@ def test_first_matching_rule_wins_and_gates_decide_among_its_modes():
     # Nothing left at all.
     choice = policy.choose(feats(), {m: "unavailable" for m in MODES})
     assert choice.mode is None and "no eligible mode" in choice.reason
+
+
+def test_prefer_prefix_match_orders_a_rules_modes_by_what_each_holds():
+    policy = policy_from("rules:\n  - when: {prefix_match_tokens: {ge: 10}}\n    use: [gptq+prefix_cache, prefix_cache]\n"
+                         "    prefer: prefix_match\ndefault: fp16\n")
+    held_by_fp16 = feats(prefix_match_tokens=50, prefix_match_by_mode={"prefix_cache": 50, "gptq+prefix_cache": 3})
+    assert policy.choose(held_by_fp16, {}).mode == "prefix_cache"
+    both = feats(prefix_match_tokens=50, prefix_match_by_mode={"prefix_cache": 50, "gptq+prefix_cache": 50})
+    assert policy.choose(both, {}).mode == "gptq+prefix_cache"  # a tie keeps the file's order
+    assert policy.choose(held_by_fp16, {"prefix_cache": "saturated: 8/8"}).mode == "gptq+prefix_cache"
+    with pytest.raises(ConfigError, match="prefer: must be one of prefix_match"):
+        policy_from("rules:\n  - use: fp16\n    prefer: speed\ndefault: fp16\n")

@@ -191,7 +191,7 @@ def create_app(service: Service) -> Flask:
     def modes():
         policy = service.controller.policy
         return jsonify({"modes": service.pool.describe(), "policy": {"name": policy.name, "source": policy.source},
-                        "resident_weight_bytes": service.pool.resident_bytes()})
+                        "memory": service.pool.memory()})
 
     # ------------------------------------------------------------------ admin
     @app.get("/admin/policy")

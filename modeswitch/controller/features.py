@@ -6,7 +6,8 @@ prefix match, counters the engines keep, and one memory reading.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 #: Feature names a policy rule may test, with their meaning (policies are validated against this).
 FEATURE_DOCS = {
@@ -31,6 +32,8 @@ class Features:
     memory_headroom: float
     memory_free_gb: float
     greedy: int
+    #: per prefix-cache mode, how many leading prompt tokens that mode's store holds (rules may prefer the holder)
+    prefix_match_by_mode: Mapping[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -6,6 +6,7 @@ rules:
   - name: shared-prefix
     when: {prefix_match_tokens: {ge: 256}}
     use: [gptq+prefix_cache, prefix_cache]   # first one that passes the gates
+    prefer: prefix_match                     # optional: try modes holding a longer prefix of the prompt first
 default: [fp16]                              # when no rule matches
 fallback: [fp16]                             # tried after a rule's (or the default's) own list
 ```
@@ -42,11 +43,22 @@ class Condition:
         return f"{self.feature}={getattr(features, self.feature):g} {SYMBOLS[self.op]} {self.value:g}"
 
 
+PREFER = ("prefix_match",)
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
     conditions: tuple[Condition, ...]
     use: tuple[str, ...]
+    prefer: str | None = None
+
+    def candidates(self, features: Features) -> tuple[str, ...]:
+        """The rule's modes in the order to try them (stable: ties keep the file's order)."""
+        if self.prefer == "prefix_match":
+            held = features.prefix_match_by_mode
+            return tuple(sorted(self.use, key=lambda m: -held.get(m, 0)))
+        return self.use
 
     def matches(self, features: Features) -> bool:
         for c in self.conditions:
@@ -80,7 +92,7 @@ class RulePolicy:
                 break
         if rule is not None:
             why = f"rule {rule.name!r} ({', '.join(c.explain(features) for c in rule.conditions) or 'always'})"
-            candidates = rule.use
+            candidates = rule.candidates(features)
         else:
             why = "no rule matched: default"
             candidates = self.default
@@ -121,7 +133,7 @@ def parse_policy(data, source: str, known_modes: Iterable[str]) -> RulePolicy:
     raw_rules = sec.get("rules", list, [])
     for i, raw in enumerate(raw_rules):
         rsec = Section(raw, source, f"rules[{i}]")
-        rsec.only({"name", "when", "use"})
+        rsec.only({"name", "when", "use", "prefer"})
         name = rsec.get("name", str, f"rule{i + 1}")
         conditions = []
         when = rsec.section("when", Section({}, source, f"rules[{i}].when"))
@@ -134,7 +146,8 @@ def parse_policy(data, source: str, known_modes: Iterable[str]) -> RulePolicy:
                 raise when.error("needs an operator such as {ge: 256}", str(feature))
             for op in csec.data:
                 conditions.append(Condition(str(feature), str(op), float(csec.get(str(op), (int, float)))))
-        rules.append(Rule(name, tuple(conditions), _mode_list(rsec, "use", known)))
+        rules.append(Rule(name, tuple(conditions), _mode_list(rsec, "use", known),
+                          rsec.get("prefer", str, None, PREFER)))
     return RulePolicy(
         name=sec.get("name", str, Path(source).stem),
         description=sec.get("description", str, ""),

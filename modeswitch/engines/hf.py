@@ -42,16 +42,19 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     return dev, getattr(torch, dtype)
 
 
-def load_causal_lm(path_or_id: str, device: torch.device, dtype: torch.dtype, what: str):
-    """Load a causal LM for inference, turning "not found" into one :class:`WeightsNotFound`."""
+def load_causal_lm(path_or_id: str, device: torch.device, dtype: torch.dtype, what: str, **kwargs):
+    """Load a causal LM for inference on ``device``, turning "not found" into one :class:`WeightsNotFound`.
+
+    ``device_map`` places the weights (quantized models cannot be moved with ``.to`` after loading).
+    """
     try:
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, device_map=str(device), **kwargs)
     except OSError as exc:
         raise WeightsNotFound(
             f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
             "download it with `huggingface-cli download ID` on a machine with access, or pass a local path"
         ) from exc
-    model = model.to(device).eval()
+    model = model.eval()
     serialize_forward(model)
     return model
 

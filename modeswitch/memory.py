@@ -1,0 +1,113 @@
+"""The memory planner: what every mode keeps resident, checked against a budget before anything loads.
+
+Weights are counted once per variant (modes that share a variant share the copy); each mode adds the KV
+memory it reserves: one sequence of ``max_model_len`` tokens for batch-1 modes, plus the stored-prefix
+capacity for prefix-cache modes, the paged block pool for continuous batching, and the draft model's KV
+for speculative modes. Sizes are computed from the model config on the meta device (no weights loaded),
+so a mode set that does not fit is refused at start with every mode's size in the message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+GIB = 2**30
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": GIB, "gb": 10**9, "gib": GIB, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """The selected modes need more memory than the budget allows."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"12GiB"``, ``"800MB"``, ``"1.5g"`` or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (examples: 8GiB, 800MB, 1.5g)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts that decide weight sizes, and the KV size of one token."""
+
+    linear_params: int          # in the decoder layers' linear projections (what GPTQ / INT8 quantize)
+    linear_in_features: int     # summed input widths of those layers (for per-group scales)
+    linear_out_features: int    # summed output widths (per-row scales)
+    other_params: int           # embeddings, norms, lm_head: kept in the reference dtype
+    kv_bytes_per_token: int     # at the reference dtype
+
+    @classmethod
+    def from_config(cls, config, dtype_bytes: int) -> "ModelShape":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        linear = [m for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"]
+        linear_params = sum(m.weight.numel() for m in linear)
+        total = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+        text = config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return cls(
+            linear_params=linear_params,
+            linear_in_features=sum(m.in_features for m in linear),
+            linear_out_features=sum(m.out_features for m in linear),
+            other_params=total - linear_params,
+            kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes,
+        )
+
+    def weights_bytes(self, variant: str, dtype_bytes: int, group_size: int = 64) -> int:
+        other = self.other_params * dtype_bytes
+        if variant == "gptq":  # 4-bit weights + per-group fp16 scales and packed 4-bit zeros + int32 g_idx
+            groups = self.linear_params // group_size
+            return self.linear_params // 2 + groups * 2 + groups // 2 + self.linear_in_features * 4 + other
+        if variant == "int8":  # int8 weights + one fp32 scale per output row
+            return self.linear_params + self.linear_out_features * 4 + other
+        return self.linear_params * dtype_bytes + other
+
+
+@dataclass
+class Footprint:
+    mode: str
+    weights: str
+    kv_bytes: int
+    kv_detail: str
+
+
+@dataclass
+class MemoryPlan:
+    budget: int
+    weights: dict[str, int]                              # variant -> bytes (counted once)
+    users: dict[str, list[str]] = field(default_factory=dict)  # variant -> modes sharing it
+    footprints: list[Footprint] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.weights.values()) + sum(f.kv_bytes for f in self.footprints)
+
+    def describe(self) -> str:
+        lines = [f"  weights {v}: {fmt(b)} (shared by {', '.join(self.users.get(v, []))})"
+                 for v, b in self.weights.items()]
+        lines += [f"  mode {f.mode}: KV {fmt(f.kv_bytes)} ({f.kv_detail})" for f in self.footprints]
+        return "\n".join(lines + [f"  total {fmt(self.total)} of a budget of {fmt(self.budget)}"])
+
+    def check(self) -> None:
+        if self.total > self.budget:
+            raise MemoryBudgetExceeded(
+                f"the selected modes need {fmt(self.total)} but the memory budget is {fmt(self.budget)}:\n"
+                f"{self.describe()}\nload fewer modes (--modes a,b,...) or raise --memory-budget")
+
+    def mode_bytes(self, mode: str) -> dict:
+        fp = next(f for f in self.footprints if f.mode == mode)
+        return {"weights_variant": fp.weights, "weights_bytes": self.weights.get(fp.weights, 0),
+                "weights_shared_with": [m for m in self.users.get(fp.weights, []) if m != mode],
+                "kv_bytes": fp.kv_bytes}

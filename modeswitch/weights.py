@@ -1,0 +1,88 @@
+"""Weight variants, each loaded at most once and shared by every mode that uses it.
+
+Variants: ``fp16`` (the reference weights), ``gptq`` (a GPTQ 4-bit checkpoint: the preset's published
+one, or the demo's, built locally), ``int8`` (bitsandbytes LLM.int8, quantized on the fly from the
+reference weights) and ``draft`` (the preset's draft model for speculative decoding). A variant that
+cannot be had here raises :class:`VariantUnavailable` with the reason the pool shows for its modes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from typing import Any, Callable
+
+from .models import Preset, WeightsNotFound, local_or_hub
+
+log = logging.getLogger(__name__)
+
+#: Python packages each variant needs beyond the base install, and how to get them.
+NEEDS = {"gptq": ("gptqmodel", "optimum"), "int8": ("bitsandbytes",)}
+QUANT_HINT = "pip install -e '.[quant]' (scripts/setup.sh installs it)"
+
+
+class VariantUnavailable(RuntimeError):
+    """This weights variant cannot be served here; the message says why."""
+
+
+class WeightStore:
+    def __init__(self, preset: Preset, device, dtype) -> None:
+        self.preset = preset
+        self.device = device
+        self.dtype = dtype
+        self.models: dict[str, Any] = {}
+        self.load_seconds: dict[str, float] = {}
+        self._refs: dict[str, str] = {}
+        self._failed: dict[str, str] = {}
+
+    def ref(self, variant: str) -> str:
+        """Where the variant's checkpoint is (resolving without loading); raises VariantUnavailable."""
+        if variant in self._failed:
+            raise VariantUnavailable(self._failed[variant])
+        if variant in self._refs:
+            return self._refs[variant]
+        try:
+            missing = [p for p in NEEDS.get(variant, ()) if importlib.util.find_spec(p) is None]
+            if missing:
+                raise VariantUnavailable(f"{variant} weights need {', '.join(missing)}: {QUANT_HINT}")
+            source = {"fp16": self.preset.fp16, "int8": self.preset.fp16, "gptq": self.preset.gptq,
+                      "draft": self.preset.draft}[variant]
+            if source is None:
+                raise VariantUnavailable(f"model {self.preset.name} has no {variant} checkpoint"
+                                         + (" (pass --gptq PATH_OR_ID)" if variant == "gptq" else ""))
+            ref = local_or_hub(source, f"{variant} weights of {self.preset.name}")
+        except (VariantUnavailable, WeightsNotFound) as exc:
+            self._failed[variant] = str(exc)
+            raise VariantUnavailable(str(exc)) from None
+        self._refs[variant] = ref
+        return ref
+
+    def get(self, variant: str, progress: Callable[[str], None] = log.info):
+        """The loaded model for ``variant`` (loading it the first time)."""
+        if variant in self.models:
+            return self.models[variant]
+        ref = self.ref(variant)
+        from .engines.hf import load_causal_lm
+
+        started = time.perf_counter()
+        progress(f"loading {variant} weights from {ref} on {self.device} as {self.dtype}")
+        kwargs: dict[str, Any] = {}
+        if variant == "int8":
+            from transformers import BitsAndBytesConfig
+
+            logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a cast warning on every CPU matmul
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        try:
+            model = load_causal_lm(ref, self.device, self.dtype, f"{variant} weights of {self.preset.name}", **kwargs)
+        except Exception as exc:
+            self._failed[variant] = f"{variant} weights failed to load: {exc}"
+            raise VariantUnavailable(self._failed[variant]) from exc
+        self.models[variant] = model
+        self.load_seconds[variant] = time.perf_counter() - started
+        return model
+
+    def nbytes(self, variant: str) -> int:
+        """Measured resident bytes of a loaded variant (parameters and buffers)."""
+        model = self.models[variant]
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
