@@ -15,4 +15,4 @@ test: setup
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) benchmarks/modes_demo.py
+	$(PY) benchmarks/modes.py --extra-modes

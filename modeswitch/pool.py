@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 CB_PAGE_SIZE = 64
 CB_NUM_BLOCKS = 128
 CB_MAX_BATCH_TOKENS = 512
+#: Weights whose plain modes take the compiled static-cache decode on a GPU. bitsandbytes INT8 stays eager:
+#: compiling a quantized 8B decode took over 90 s without finishing (STACK.md), too long for start-up.
+COMPILED_WEIGHTS = ("fp16", "gptq")
 #: Memory kept free when the budget defaults to "what is free now".
 DEFAULT_HEADROOM = 0.10
 
@@ -98,7 +101,7 @@ class ModePool:
     """Plans memory, loads each weights variant once, and starts one engine per mode."""
 
     def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto",
-                 memory_budget: int | None = None, max_model_len: int = 8192) -> None:
+                 memory_budget: int | None = None, max_model_len: int = 8192, decode: str = "auto") -> None:
         from .engines.hf import resolve_device_dtype
 
         self.preset = preset
@@ -106,6 +109,8 @@ class ModePool:
         self.device, self.dtype = resolve_device_dtype(device, dtype)
         self.memory_budget = memory_budget
         self.max_model_len = max_model_len
+        #: compiled static-cache decode for plain modes: on by default on a GPU, where eager decode is launch-bound
+        self.compiled_decode = decode == "compiled" or (decode == "auto" and self.device.type == "cuda")
         self.weights = WeightStore(preset, self.device, self.dtype)
         self.plan: MemoryPlan | None = None
         self.tokenizer = None
@@ -236,7 +241,11 @@ class ModePool:
                     state.details["draft"] = (f"{variant} weights of {self.preset.name} (self-draft)"
                                               if variant == "gptq" else self.preset.draft)
             store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
-            state.engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup)
+            compiled = (self.compiled_decode and store is None and spec.speculative is None
+                        and spec.weights in COMPILED_WEIGHTS)
+            static = self.context_length if compiled else None
+            state.engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, static)
+            state.details["decode"] = "compiled static cache" if static else "eager dynamic cache"
         state.status, state.reason = "available", ""
     def _warm_up(self, state: ModeState) -> None:
         """Run one short request through the mode's real path; a mode that fails it is marked unavailable."""

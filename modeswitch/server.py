@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes all modes may use, e.g. 12GiB (default: free device memory minus 10%%)")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="longest prompt + output served (caps the model's context; sizes KV reservations)")
+    p.add_argument("--decode", default="auto", choices=["auto", "compiled", "eager"],
+                   help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
     return p
@@ -66,7 +68,7 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
     pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, decode=args.decode)
     pool.load(progress)
     return Service(pool, Controller(pool, policy), preset.name)
 

@@ -12,7 +12,6 @@ Quality bounds, and why (demo model, held-out Jargon File prose, 8 windows x 256
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,10 +20,10 @@ import pytest
 import torch
 
 from conftest import ROOT
-from modeswitch.corpus import heldout_paragraphs, token_windows
 from modeswitch.engines.hf import resolve_device_dtype
 from modeswitch.memory import ModelShape
 from modeswitch.models import PRESETS
+from modeswitch.quality import common_prefix, perplexity
 from modeswitch.weights import WeightStore
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -75,16 +74,6 @@ def test_memory_plan_estimates_match_measured_bytes(store):
     assert shape.kv_bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
 
 
-def perplexity(model, tokenizer) -> float:
-    nll = n = 0
-    with torch.inference_mode():
-        for window in token_windows(tokenizer, heldout_paragraphs(), 8, 256):
-            x = torch.tensor([window])
-            nll += model(x, labels=x).loss.item() * (len(window) - 1)
-            n += len(window) - 1
-    return math.exp(nll / n)
-
-
 def agreement(model, reference, tokenizer) -> list[int]:
     """Per prompt: greedy tokens equal to the reference's before the first difference."""
     out = []
@@ -93,7 +82,7 @@ def agreement(model, reference, tokenizer) -> list[int]:
             x = tokenizer(p, return_tensors="pt").input_ids
             a, b = (m.generate(x, max_new_tokens=32, do_sample=False, pad_token_id=2)[0, x.shape[1]:].tolist()
                     for m in (model, reference))
-            out.append(next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b))))
+            out.append(common_prefix(a, b))
     return out
 
 
