@@ -53,13 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     """Everything but the HTTP server; raises WeightsNotFound / ConfigError with a clear message."""
     modes = load_modes(*[Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])])
+    defined = [m.name for m in modes]
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = sorted(set(wanted) - {m.name for m in modes})
         if unknown:
             raise ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; defined: {', '.join(m.name for m in modes)}")
         modes = [m for m in modes if m.name in wanted]
-    policy = load_policy(args.policy, [m.name for m in modes])
+    policy = load_policy(args.policy, defined)
     preset = resolve_preset(args.model)
     if args.gptq:
         preset = dataclasses.replace(preset, gptq=args.gptq)
@@ -70,7 +71,7 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
                     max_model_len=args.max_model_len, decode=args.decode)
     pool.load(progress)
-    return Service(pool, Controller(pool, policy), preset.name)
+    return Service(pool, Controller(pool, policy, defined_modes=defined), preset.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,3 +78,21 @@ def test_prefer_prefix_match_orders_a_rules_modes_by_what_each_holds():
     assert policy.choose(held_by_fp16, {"prefix_cache": "saturated: 8/8"}).mode == "gptq+prefix_cache"
     with pytest.raises(ConfigError, match="prefer: must be one of prefix_match"):
         policy_from("rules:\n  - use: fp16\n    prefer: speed\ndefault: fp16\n")
+
+
+def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
+    """paper.yaml names all 8 modes; serving a subset must keep it valid and route among what is loaded."""
+    from modeswitch.controller.decide import Controller
+    from modeswitch.models import PRESETS
+    from modeswitch.pool import ModePool
+
+    modes = load_modes()
+    pool = ModePool(PRESETS["demo"], [m for m in modes if m.name in ("fp16", "prefix_cache")], device="cpu")
+    for state in pool.modes.values():
+        state.status = "available"  # as after a successful load (no engines needed to decide)
+    policy = load_policy(ROOT / "policies" / "paper.yaml", [m.name for m in modes])
+    controller = Controller(pool, policy, defined_modes=[m.name for m in modes])
+    decision = controller.decide(feats(queue_depth=9))  # many-concurrent: neither CB mode is loaded
+    assert decision.mode == "fp16"
+    assert decision.filtered["continuous_batching"] == "not loaded (--modes)"
+    assert "continuous_batching: not loaded (--modes)" in decision.reason

@@ -38,15 +38,19 @@ class Decision:
 
 
 class Controller:
-    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES) -> None:
+    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES,
+                 defined_modes: Sequence[str] = ()) -> None:
+        """``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
         self.pool = pool
         self.policy = policy
         self.gates = tuple(gates)
+        self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
+        self._not_loaded = {m: "not loaded (--modes)" for m in self.defined_modes if m not in pool.modes}
         self._reload_lock = threading.Lock()
 
     def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, str]:
         """Modes a gate rejects for this request, with the first gate's reason."""
-        filtered: dict[str, str] = {}
+        filtered: dict[str, str] = dict(self._not_loaded)
         for name, state in self.pool.modes.items():
             if name in exclude:
                 filtered[name] = "excluded after a failed attempt"
@@ -79,6 +83,6 @@ class Controller:
     def reload(self, path: str | Path | None = None) -> RulePolicy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""
         with self._reload_lock:
-            new = load_policy(path or self.policy.source, self.pool.modes.keys())
+            new = load_policy(path or self.policy.source, self.defined_modes)
             self.policy = new
             return new
