@@ -8,6 +8,7 @@ never sends a request there, and nothing is silently served by another mode.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -30,19 +31,47 @@ CB_MAX_BATCH_TOKENS = 512
 #: Weights whose plain modes take the compiled static-cache decode on a GPU. bitsandbytes INT8 stays eager:
 #: compiling a quantized 8B decode took over 90 s without finishing (STACK.md), too long for start-up.
 COMPILED_WEIGHTS = ("fp16", "gptq")
+#: Quarantine backoff of a failing mode: doubles per consecutive failure, within these bounds (seconds).
+QUARANTINE_BASE_S = 5.0
+QUARANTINE_MAX_S = 300.0
+#: Test-only fault injection: modes named here (comma-separated) fail every request they accept.
+FAULTS_ENV = "MODESWITCH_INJECT_FAULTS"
 #: Memory kept free when the budget defaults to "what is free now".
 DEFAULT_HEADROOM = 0.10
 
 
 @dataclass
 class ModeState:
-    """A mode as served: its spec, whether it can take requests, and (if so) its engine worker."""
+    """A mode as served: its spec, whether it can take requests, its engine worker, and its health.
+
+    A mode that fails a request is quarantined: the controller skips it for a backoff that doubles with
+    each consecutive failure (``QUARANTINE_BASE_S`` up to ``QUARANTINE_MAX_S``) and resets on a success.
+    """
 
     spec: ModeSpec
     status: str = "unavailable"
     reason: str = ""
     engine: Engine | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    failures: int = 0
+    consecutive_failures: int = 0
+    quarantined_until: float = 0.0
+    last_error: str = ""
+
+    def record_failure(self, error: str) -> None:
+        self.failures += 1
+        self.consecutive_failures += 1
+        backoff = min(QUARANTINE_BASE_S * 2 ** (self.consecutive_failures - 1), QUARANTINE_MAX_S)
+        self.quarantined_until = time.monotonic() + backoff
+        self.last_error = error
+        log.warning("mode %s failed (%s); quarantined for %.0f s", self.name, error, backoff)
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+
+    @property
+    def quarantine_left(self) -> float:
+        return max(0.0, self.quarantined_until - time.monotonic())
 
     @property
     def name(self) -> str:
@@ -58,9 +87,10 @@ class ModeState:
 
     def describe(self) -> dict[str, Any]:
         spec = self.spec
+        quarantined = self.available and self.quarantine_left > 0
         out: dict[str, Any] = {
             "name": spec.name,
-            "status": self.status,
+            "status": "quarantined" if quarantined else self.status,
             "engine": "transformers",
             "reason": self.reason,
             "description": spec.description,
@@ -72,6 +102,9 @@ class ModeState:
             "in_flight": self.in_flight,
             **self.details,
         }
+        if self.failures:
+            out["health"] = {"failures": self.failures, "last_error": self.last_error,
+                             "quarantine_left_s": round(self.quarantine_left, 1)}
         if self.engine is not None:
             out["stats"] = self.engine.stats()
         return out
@@ -214,6 +247,9 @@ class ModePool:
                 state.status, state.reason, state.engine = "unavailable", f"failed to start: {exc}", None
             if state.engine is not None:
                 self._warm_up(state)
+            if state.engine is not None and state.name in os.environ.get(FAULTS_ENV, "").split(","):
+                state.engine.inject_fault = True
+                state.details["fault_injected"] = FAULTS_ENV
             self.load_seconds[f"mode:{state.name}"] = time.perf_counter() - t0
             progress(f"mode {state.name}: {state.status}{' (' + state.reason + ')' if state.reason else ''}")
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+from .admission import Admission
 from .controller.decide import Controller
 from .controller.rules import load_policy
 from .memory import MemoryBudgetExceeded, parse_bytes
@@ -47,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
+    p.add_argument("--api-key", default=os.environ.get("MODESWITCH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env MODESWITCH_API_KEY)")
+    p.add_argument("--max-inflight-per-client", type=int, default=16,
+                   help="generation requests one client (API key, else address) may have in flight; 429 beyond "
+                        "(0: no limit)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM: seconds to let in-flight requests finish before exiting")
     return p
 
 
@@ -94,16 +104,36 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             log.error("SIGHUP: policy not changed: %s", exc)
 
+    admission = Admission(per_client=args.max_inflight_per_client)
+
+    def on_sigterm(signum, frame):
+        """Stop admitting, let in-flight requests finish (a thread waits), then leave the serving loop."""
+        log.info("SIGTERM: draining %d request(s), up to %.0f s", admission.active, args.drain_timeout)
+
+        def drain_then_exit():
+            drained = admission.drain(args.drain_timeout)
+            log.info("drained" if drained else "drain timeout: exiting with requests in flight")
+            signal.raise_signal(signal.SIGUSR1)
+
+        threading.Thread(target=drain_then_exit, name="drain", daemon=True).start()
+
+    def on_sigusr1(signum, frame):
+        raise SystemExit(0)  # waitress's loop shuts its task threads down on SystemExit
+
     signal.signal(signal.SIGHUP, on_sighup)
-    server = create_server(create_app(service), host=args.host, port=args.port, threads=args.threads,
-                           channel_timeout=600)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGUSR1, on_sigusr1)
+    server = create_server(create_app(service, admission, args.api_key), host=args.host, port=args.port,
+                           threads=args.threads, channel_timeout=600)
     available = ", ".join(m.name for m in service.pool.available())
     log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
              time.perf_counter() - started, service.model_name, available, args.host, server.effective_port)
     try:
         server.run()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        server.close()
         service.pool.close()
+    log.info("stopped")
     return 0

@@ -8,13 +8,13 @@ and ends with the finish reason, token counts, timings and the decision that cho
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .controller.decide import Controller, Decision, NoEligibleMode
+from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
-from .engines.base import GenRequest, QueueFull, SamplingParams
+from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .pool import ModePool, memory_headroom
 
 log = logging.getLogger(__name__)
@@ -69,34 +69,104 @@ class TextAssembler:
         return delta
 
 
-@dataclass
 class Generation:
-    """One request in flight on one mode: iterate :meth:`deltas`, then read the results."""
+    """One request: decided, submitted, and read back, with one retry on another mode if its mode fails.
 
-    decision: Decision
-    request: GenRequest
-    assembler: TextAssembler
-    attempts: list[str] = field(default_factory=list)
-    finish_reason: str = "length"
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    first_token_at: float | None = None
-    finished_at: float | None = None
+    A mode that fails a request (an ``error`` event, or refusing the submission) is quarantined by the
+    pool; if nothing has been sent to the client yet, the request is decided again without that mode
+    and resubmitted once. Call :meth:`prime` before committing to a response (it waits for the first
+    tokens, so the mode named in headers is the one that really serves), then iterate :meth:`deltas`.
+    """
 
+    MAX_ATTEMPTS = 2
+
+    def __init__(self, service: "Service", prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
+                 pinned: str | None) -> None:
+        self.service = service
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.pinned = pinned
+        self.features = service.features(self.prompt_ids, params)
+        self.assembler = TextAssembler(service.tokenizer, stop)
+        self.attempts: list[str] = []
+        self.finish_reason = "length"
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.extra: dict[str, Any] = {}
+        self.started_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._pending: list[Event] = []
+        self._excluded: frozenset[str] = frozenset()
+        self._submit()
+
+    # ------------------------------------------------------------------ decide and submit
+    def _submit(self) -> None:
+        """Decide and submit; a mode that refuses the submission is excluded and the decision retaken.
+        Raises :class:`NoEligibleMode` when nothing can take the request."""
+        pool = self.service.pool
+        while True:
+            decision = self.service.controller.decide(self.features, pinned=self.pinned, exclude=self._excluded)
+            req = GenRequest(prompt_ids=self.prompt_ids, params=self.params)
+            try:
+                pool.modes[decision.mode].engine.submit(req)
+            except Exception as exc:  # full since the decision, or the engine refused: try the next choice
+                full = isinstance(exc, QueueFull)
+                if not full:
+                    pool.modes[decision.mode].record_failure(f"submit: {exc}")
+                if self.pinned is not None:
+                    raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
+                                         "saturated" if full else "quarantined") from exc
+                self.attempts.append(f"{decision.mode}: {exc}")
+                self._excluded = self._excluded | {decision.mode}
+                continue
+            self.decision, self.request = decision, req
+            return
+
+    def _fail(self, error: str) -> None:
+        """The current mode failed the request: quarantine it, and retry elsewhere if still allowed."""
+        state = self.service.pool.modes[self.mode]
+        state.record_failure(error)
+        self.attempts.append(f"{self.mode}: {error}")
+        if self.pinned is not None or self.first_token_at is not None or len(self.attempts) >= self.MAX_ATTEMPTS:
+            raise GenerationError(f"mode {self.mode} failed: {error}")
+        self._excluded = self._excluded | {self.mode}
+        try:
+            self._submit()
+        except NoEligibleMode as exc:
+            raise GenerationError(f"mode {self.mode} failed ({error}) and no other mode can retry: {exc}") from None
+
+    def _next_event(self) -> Event:
+        if self._pending:
+            return self._pending.pop(0)
+        try:
+            return self.request.events.get(timeout=EVENT_TIMEOUT_S)
+        except queue.Empty:
+            return Event("error", info={"error": f"no output for {EVENT_TIMEOUT_S:.0f} s"})
+
+    def prime(self) -> None:
+        """Wait until the request produces its first tokens (or finishes), retrying on a failing mode."""
+        while True:
+            event = self._next_event()
+            if event.kind == "error":
+                self._fail(event.info.get("error", "unknown error"))
+                continue
+            self._pending.insert(0, event)
+            return
+
+    # ------------------------------------------------------------------ results
     @property
     def mode(self) -> str:
         return self.decision.mode
 
     def deltas(self) -> Iterator[str]:
-        """Text as it becomes final; raises :class:`GenerationError` if the engine fails the request."""
-        req = self.request
+        """Text as it becomes final; raises :class:`GenerationError` if the request cannot be served."""
         try:
             while True:
-                try:
-                    event = req.events.get(timeout=EVENT_TIMEOUT_S)
-                except Exception as exc:
-                    raise GenerationError(f"mode {self.mode} produced nothing for {EVENT_TIMEOUT_S:.0f} s") from exc
+                event = self._next_event()
+                if event.kind == "error":
+                    self._fail(event.info.get("error", "unknown error"))
+                    continue
                 if event.kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
@@ -106,9 +176,11 @@ class Generation:
                         yield delta
                     if self.assembler.stopped:
                         self.finish_reason = "stop"
-                        req.cancel()
+                        self.request.cancel()
+                        self.service.pool.modes[self.mode].record_success()
                         break
                 elif event.kind == "done":
+                    self.service.pool.modes[self.mode].record_success()
                     self.cached_tokens = event.info.get("cached_tokens", 0)
                     reason = event.info.get("finish_reason", "length")
                     self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
@@ -118,11 +190,9 @@ class Generation:
                     if tail:
                         yield tail
                     break
-                else:
-                    raise GenerationError(f"mode {self.mode} failed: {event.info.get('error', 'unknown error')}")
         finally:
             self.finished_at = time.perf_counter()
-            req.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
+            self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
 
     @property
     def text(self) -> str:
@@ -130,18 +200,17 @@ class Generation:
 
     def report(self) -> dict[str, Any]:
         """The ``modeswitch`` block of a response."""
-        req = self.request
         end = self.finished_at or time.perf_counter()
-        timings = {"total_s": round(end - req.submitted_at, 4)}
+        timings = {"total_s": round(end - self.started_at, 4)}
         if self.first_token_at is not None:
-            timings["ttft_s"] = round(self.first_token_at - req.submitted_at, 4)
+            timings["ttft_s"] = round(self.first_token_at - self.started_at, 4)
             if self.completion_tokens > 1:
                 timings["decode_tok_s"] = round((self.completion_tokens - 1) / max(end - self.first_token_at, 1e-9), 2)
         out = {
             "mode": self.mode,
             "reason": self.decision.reason,
             "policy": self.decision.policy,
-            "features": self.decision.features.as_dict(),
+            "features": self.features.as_dict(),
             "decision_us": round(self.decision.decision_us, 1),
             "timings": timings,
             "cached_tokens": self.cached_tokens,
@@ -178,22 +247,5 @@ class Service:
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
               mode: str | None = None) -> Generation:
-        """Decide and submit. A mode whose queue filled between decision and submission is skipped and the
-        decision retaken; raises :class:`NoEligibleMode` when nothing can take the request."""
-        features = self.features(prompt_ids, params)
-        exclude: frozenset[str] = frozenset()
-        attempts: list[str] = []
-        while True:
-            decision = self.controller.decide(features, pinned=mode, exclude=exclude)
-            engine = self.pool.modes[decision.mode].engine
-            req = GenRequest(prompt_ids=list(prompt_ids), params=params)
-            try:
-                engine.submit(req)
-            except Exception as exc:  # full since the decision, or the engine refused: try the next choice
-                full = isinstance(exc, QueueFull)
-                if mode is not None:
-                    raise NoEligibleMode(f"pinned mode {mode!r} cannot take the request: {exc}", saturated=full) from exc
-                attempts.append(f"{decision.mode}: {exc}")
-                exclude = exclude | {decision.mode}
-                continue
-            return Generation(decision, req, TextAssembler(self.tokenizer, stop), attempts)
+        """Decide and submit; raises :class:`NoEligibleMode` when nothing can take the request."""
+        return Generation(self, prompt_ids, params, stop, mode)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -11,11 +12,13 @@ from typing import Any, Callable, Iterator
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from ..admission import Admission, Refused
 from ..controller.decide import NoEligibleMode
 from ..engines.base import SamplingParams
 from ..service import Generation, GenerationError, Service
 from ..yamlconf import ConfigError
 from .errors import ApiError
+from .openapi import PolicyReload, build_spec
 from .schemas import ChatBody, CompletionBody, parse
 
 log = logging.getLogger(__name__)
@@ -25,11 +28,42 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 RETRY_AFTER_S = 1
 
 
-def create_app(service: Service) -> Flask:
+def create_app(service: Service, admission: Admission | None = None, api_key: str | None = None) -> Flask:
+    """The HTTP app. ``api_key``: required as a bearer token on every route but /health."""
     app = Flask("modeswitch")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.json.sort_keys = False
     started = int(time.time())
+    admission = admission or Admission(per_client=0)
+    app.extensions["modeswitch.admission"] = admission
+
+    @app.before_request
+    def _authenticate():
+        if not api_key or request.path == "/health":
+            return None
+        given = request.headers.get("Authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), api_key.encode())):
+            return ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
+                            code="invalid_api_key").response()
+        return None
+
+    def client_id() -> str:
+        return request.headers.get("Authorization") or request.remote_addr or "unknown"
+
+    def admitted(handler: Callable[[], Response]) -> Response:
+        """Run a generation handler under an admission ticket held until the response is fully sent."""
+        client = client_id()
+        try:
+            admission.enter(client)
+        except Refused as exc:
+            raise ApiError(exc.status, str(exc), code=exc.code, retry_after=RETRY_AFTER_S) from None
+        try:
+            resp = handler()
+        except BaseException:
+            admission.leave(client)
+            raise
+        resp.call_on_close(lambda: admission.leave(client))
+        return resp
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError):
@@ -38,7 +72,11 @@ def create_app(service: Service) -> Flask:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
         message = {404: "no such route", 405: "method not allowed", 413: f"request body over {MAX_BODY_BYTES} bytes"}
-        return ApiError(exc.code or 500, message.get(exc.code, exc.description or exc.name)).response()
+        resp = ApiError(exc.code or 500, message.get(exc.code, exc.description or exc.name)).response()
+        allow = dict(exc.get_headers()).get("Allow")
+        if allow:  # 405 must say which methods the route has
+            resp.headers["Allow"] = allow
+        return resp
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):
@@ -77,14 +115,18 @@ def create_app(service: Service) -> Flask:
         try:
             return service.start(prompt_ids, params, req.stop_list, req.mode)
         except NoEligibleMode as exc:
-            if req.mode is not None and not exc.saturated:
+            if req.mode is not None and exc.code == "unavailable":
                 raise ApiError(400, str(exc), param="mode", code="mode_unavailable") from None
-            raise ApiError(503, str(exc), code="overloaded" if exc.saturated else "no_eligible_mode",
+            codes = {"saturated": "overloaded", "quarantined": "mode_quarantined"}
+            raise ApiError(503, str(exc), code=codes.get(exc.code, "no_eligible_mode"),
                            retry_after=RETRY_AFTER_S) from None
 
     # ------------------------------------------------------------------ generation routes
     @app.post("/v1/completions")
     def completions():
+        return admitted(_completions)
+
+    def _completions():
         req = parse(CompletionBody, body())
         check_model(req.model)
         check_mode(req.mode)
@@ -103,6 +145,9 @@ def create_app(service: Service) -> Flask:
 
     @app.post("/v1/chat/completions")
     def chat_completions():
+        return admitted(_chat_completions)
+
+    def _chat_completions():
         req = parse(ChatBody, body())
         check_model(req.model)
         check_mode(req.mode)
@@ -120,6 +165,10 @@ def create_app(service: Service) -> Flask:
         """Non-streaming JSON or SSE; ``piece`` builds a completions choice (None means chat)."""
         rid = ("chatcmpl-" if piece is None else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        try:
+            gen.prime()  # retries on another mode if the first fails, before anything is sent
+        except GenerationError as exc:
+            raise ApiError(503, str(exc), code="mode_failed", retry_after=RETRY_AFTER_S) from None
         headers = {"X-ModeSwitch-Mode": gen.mode}
         if req.stream:
             stream = sse(gen, req, rid, created, kind, piece)
@@ -179,7 +228,14 @@ def create_app(service: Service) -> Flask:
         available = len(service.pool.available())
         status = 200 if available else 503
         return jsonify({"status": "ok" if available else "no mode available", "model": service.model_name,
-                        "modes_available": available}), status
+                        "modes_available": available, "in_flight": admission.active,
+                        "draining": admission.draining}), status
+
+    spec = build_spec(auth=bool(api_key))
+
+    @app.get("/openapi.json")
+    def openapi():
+        return jsonify(spec)
 
     @app.get("/v1/models")
     def models():
@@ -205,10 +261,11 @@ def create_app(service: Service) -> Flask:
     @app.post("/admin/policy")
     def reload_policy():
         data = request.get_json(silent=True, force=True) if request.data else {}
-        if not isinstance(data, dict) or not isinstance(data.get("path", ""), str):
+        if data is None:
             raise ApiError(400, 'body must be empty or {"path": "policies/NAME.yaml"}', param="path")
+        reload = parse(PolicyReload, data)
         try:
-            policy = service.controller.reload(data.get("path") or None)
+            policy = service.controller.reload(reload.path or None)
         except ConfigError as exc:
             raise ApiError(400, f"policy not changed: {exc}", param="path", code="invalid_policy") from None
         log.info("policy reloaded: %s from %s", policy.name, policy.source)

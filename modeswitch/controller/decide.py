@@ -20,11 +20,20 @@ from .rules import RulePolicy, load_policy
 
 
 class NoEligibleMode(RuntimeError):
-    """Every mode the policy could use is filtered; ``saturated`` tells whether waiting would help."""
+    """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help:
+    ``saturated`` or ``quarantined`` (temporary), ``unavailable`` (not for this request / not here)."""
 
-    def __init__(self, message: str, saturated: bool) -> None:
+    def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
-        self.saturated = saturated
+        self.code = code
+
+
+def _code(reasons: list[str]) -> str:
+    """The most hopeful reason among the gates' answers: waiting helps for saturation and quarantine."""
+    for prefix, code in (("saturated", "saturated"), ("quarantined", "quarantined")):
+        if any(r.startswith(prefix) for r in reasons):
+            return code
+    return "unavailable"
 
 
 @dataclass(frozen=True)
@@ -69,13 +78,12 @@ class Controller:
         if pinned is not None:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
-                                     saturated=filtered[pinned].startswith("saturated"))
+                                     _code([filtered[pinned]]))
             mode, reason = pinned, "pinned by the request"
         else:
             choice = policy.choose(features, filtered)
             if choice.mode is None:
-                saturated = any(v.startswith("saturated") for v in filtered.values())
-                raise NoEligibleMode(choice.reason, saturated)
+                raise NoEligibleMode(choice.reason, _code(list(filtered.values())))
             mode, reason = choice.mode, f"policy {policy.name}: {choice.reason}"
         elapsed = (time.perf_counter() - start) * 1e6
         return Decision(mode, reason, features, filtered, policy.name, elapsed)

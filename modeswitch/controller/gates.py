@@ -50,4 +50,16 @@ class CapabilityGate:
         return None
 
 
-DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), CapabilityGate(), CapacityGate())
+class QuarantineGate:
+    """The mode has not failed a request recently (see ModeState.record_failure for the backoff)."""
+
+    name = "quarantine"
+
+    def check(self, mode: ModeState, features: Features) -> str | None:
+        left = mode.quarantine_left
+        if left > 0:
+            return f"quarantined for {left:.0f} s after: {mode.last_error}"
+        return None
+
+
+DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate())

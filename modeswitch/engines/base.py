@@ -85,6 +85,8 @@ class Engine(ABC):
 
     #: False for engines whose decoding settings are fixed at start (they serve greedy requests only).
     supports_sampling = True
+    #: Test-only: fail every accepted request as a broken engine would (set by the pool from an env var).
+    inject_fault = False
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
@@ -103,6 +105,9 @@ class Engine(ABC):
                 raise QueueFull(f"{self._in_flight} requests in flight, limit {self.max_queue}")
             self._in_flight += 1
         req.on_finish.append(self._release)
+        if self.inject_fault:
+            req.emit("error", error="RuntimeError: injected fault")
+            return
         try:
             self._enqueue(req)
         except Exception as exc:

@@ -1,0 +1,179 @@
+"""The published API schema (``GET /openapi.json``), built from the same pydantic models that validate requests.
+
+Request bodies come straight from :mod:`.schemas`, so the schema cannot drift from validation; response
+models below describe what the routes return, and the fuzz tests (schemathesis) check every response
+against them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .schemas import ChatBody, CompletionBody
+
+REF = "#/components/schemas/{model}"
+#: One server-sent event: ``data`` is a JSON chunk (the completion's shape, with deltas) or ``[DONE]``.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Open):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class Error(_Open):
+    error: ErrorDetail
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModeSwitchInfo(_Open):
+    """Which mode served the request and why (plus features, timings, cached tokens, retries)."""
+
+    mode: str
+    reason: str
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    modeswitch: ModeSwitchInfo
+
+
+class ChatMessageOut(_Open):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Open):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    modeswitch: ModeSwitchInfo
+
+
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    owned_by: str
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ModeCard(_Open):
+    name: str
+    status: Literal["available", "unavailable", "quarantined"]
+    engine: str
+    reason: str
+
+
+class ModeList(_Open):
+    modes: list[ModeCard]
+    policy: dict[str, Any]
+    memory: dict[str, Any]
+
+
+class Health(_Open):
+    status: str
+    modes_available: int
+
+
+class PolicyInfo(_Open):
+    name: str
+    source: str
+
+
+class PolicyReload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = None
+
+
+def _schema(model: type[BaseModel], components: dict) -> dict:
+    schema = model.model_json_schema(ref_template=REF)
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _errors(components: dict, *codes: int) -> dict:
+    ref = _schema(Error, components)
+    return {str(c): {"description": "error", "content": {"application/json": {"schema": ref}}} for c in codes}
+
+
+def build_spec(auth: bool) -> dict:
+    """OpenAPI 3.1 document for this server (``auth``: whether routes need a bearer token)."""
+    comps: dict[str, Any] = {}
+
+    def json_ok(model: type[BaseModel], description: str = "ok") -> dict:
+        return {"200": {"description": description, "content": {"application/json": {"schema": _schema(model, comps)}}}}
+
+    def generation(body: type[BaseModel], out: type[BaseModel], summary: str) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _schema(body, comps)}}},
+            "responses": {"200": {"description": "the completion (JSON), or SSE chunks ending in [DONE] when stream=true",
+                                  "content": {"application/json": {"schema": _schema(out, comps)},
+                                              "text/event-stream": {"schema": SSE_EVENT}}},
+                          **_errors(comps, 400, 404, 413, 429, 503, *([401] if auth else []))}}}
+
+    auth_errors = _errors(comps, 401) if auth else {}
+    paths = {
+        "/v1/completions": generation(CompletionBody, Completion, "Text completion (OpenAI-compatible)"),
+        "/v1/chat/completions": generation(ChatBody, ChatCompletion, "Chat completion (OpenAI-compatible)"),
+        "/v1/models": {"get": {"summary": "The served model", "responses": {**json_ok(ModelList), **auth_errors}}},
+        "/v1/modes": {"get": {"summary": "Every mode: status, reason, statistics, memory",
+                              "responses": {**json_ok(ModeList), **auth_errors}}},
+        "/health": {"get": {"summary": "Liveness; 503 when no mode can serve", "security": [],
+                            "responses": {**json_ok(Health), "503": {"description": "no mode available", "content": {
+                                "application/json": {"schema": _schema(Health, comps)}}}}}},
+        "/admin/policy": {
+            "get": {"summary": "The routing policy in force", "responses": {**json_ok(PolicyInfo), **auth_errors}},
+            "post": {"summary": "Reload the policy (from its file, or from another path); a broken file changes nothing",
+                     "requestBody": {"required": False, "content": {
+                         "application/json": {"schema": _schema(PolicyReload, comps)}}},
+                     "responses": {**json_ok(PolicyInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
+            "description": "OpenAPI document", "content": {"application/json": {"schema": {"type": "object"}}}},
+            **auth_errors}}},
+    }
+    spec: dict[str, Any] = {"openapi": "3.1.0", "info": {"title": "ModeSwitch", "version": "0.1.0"},
+                            "paths": paths, "components": {"schemas": comps}}
+    if auth:
+        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        spec["security"] = [{"bearer": []}]
+    return spec
