@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
+from .metrics import Metrics
 from .pool import ModePool, memory_headroom
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Generation:
         self.finished_at: float | None = None
         self._pending: list[Event] = []
         self._excluded: frozenset[str] = frozenset()
+        self._recorded = False
         self._submit()
 
     # ------------------------------------------------------------------ decide and submit
@@ -121,6 +123,7 @@ class Generation:
                 self._excluded = self._excluded | {decision.mode}
                 continue
             self.decision, self.request = decision, req
+            self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)
             return
 
     def _fail(self, error: str) -> None:
@@ -129,12 +132,24 @@ class Generation:
         state.record_failure(error)
         self.attempts.append(f"{self.mode}: {error}")
         if self.pinned is not None or self.first_token_at is not None or len(self.attempts) >= self.MAX_ATTEMPTS:
+            self._record("error")
             raise GenerationError(f"mode {self.mode} failed: {error}")
         self._excluded = self._excluded | {self.mode}
         try:
             self._submit()
         except NoEligibleMode as exc:
+            self._record("error")
             raise GenerationError(f"mode {self.mode} failed ({error}) and no other mode can retry: {exc}") from None
+
+    def _record(self, outcome: str) -> None:
+        """Count the request once in the metrics (ok, error, or cancelled by the client)."""
+        if self._recorded:
+            return
+        self._recorded = True
+        end = self.finished_at or time.perf_counter()
+        ttft = self.first_token_at - self.started_at if self.first_token_at is not None else None
+        self.service.metrics.finished(self.mode, outcome, len(self.prompt_ids), self.completion_tokens,
+                                      end - self.started_at, ttft)
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -161,6 +176,7 @@ class Generation:
 
     def deltas(self) -> Iterator[str]:
         """Text as it becomes final; raises :class:`GenerationError` if the request cannot be served."""
+        outcome = "cancelled"  # unless the loop below completes: the reader went away
         try:
             while True:
                 event = self._next_event()
@@ -190,9 +206,11 @@ class Generation:
                     if tail:
                         yield tail
                     break
+            outcome = "ok"
         finally:
             self.finished_at = time.perf_counter()
             self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
+            self._record(outcome)
 
     @property
     def text(self) -> str:
@@ -227,6 +245,7 @@ class Service:
         self.controller = controller
         self.model_name = model_name
         self.tokenizer = pool.tokenizer
+        self.metrics = Metrics(pool)
 
     def features(self, prompt_ids: list[int], params: SamplingParams) -> Features:
         n = len(prompt_ids)

@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from flask import Flask, Response, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST
 from werkzeug.exceptions import HTTPException
 
 from ..admission import Admission, Refused
@@ -67,6 +68,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError):
+        if exc.status in (429, 503):
+            service.metrics.rejected.labels(exc.code or str(exc.status)).inc()
         return exc.response()
 
     @app.errorhandler(HTTPException)
@@ -89,14 +92,15 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
             raise ApiError(400, "the request body is not valid JSON")
         return data
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != service.model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {service.model_name!r}",
+    def validated(schema):
+        """The request body parsed with ``schema``, its model served here and its pinned mode known."""
+        req = parse(schema, body())
+        if req.model is not None and req.model != service.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist; this server serves {service.model_name!r}",
                            param="model", code="model_not_found")
-
-    def check_mode(name: str | None) -> None:
-        if name is not None and name not in service.pool.modes:
-            raise ApiError(400, f"unknown mode {name!r}; modes: {', '.join(service.pool.modes)}", param="mode")
+        if req.mode is not None and req.mode not in service.pool.modes:
+            raise ApiError(400, f"unknown mode {req.mode!r}; modes: {', '.join(service.pool.modes)}", param="mode")
+        return req
 
     def limit_tokens(prompt_ids: list[int], max_tokens: int | None, default: int) -> int:
         ctx = service.pool.context_length
@@ -127,9 +131,7 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         return admitted(_completions)
 
     def _completions():
-        req = parse(CompletionBody, body())
-        check_model(req.model)
-        check_mode(req.mode)
+        req = validated(CompletionBody)
         prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
         if isinstance(prompt, str):
             prompt_ids = service.tokenizer(prompt).input_ids
@@ -148,9 +150,7 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         return admitted(_chat_completions)
 
     def _chat_completions():
-        req = parse(ChatBody, body())
-        check_model(req.model)
-        check_mode(req.mode)
+        req = validated(ChatBody)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in req.messages]
         try:
             prompt_ids = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -230,6 +230,10 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         return jsonify({"status": "ok" if available else "no mode available", "model": service.model_name,
                         "modes_available": available, "in_flight": admission.active,
                         "draining": admission.draining}), status
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(service.metrics.render(), mimetype=CONTENT_TYPE_LATEST)
 
     spec = build_spec(auth=bool(api_key))
 

@@ -167,6 +167,8 @@ def build_spec(auth: bool) -> dict:
                      "requestBody": {"required": False, "content": {
                          "application/json": {"schema": _schema(PolicyReload, comps)}}},
                      "responses": {**json_ok(PolicyInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {"200": {
+            "description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}, **auth_errors}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
             "description": "OpenAPI document", "content": {"application/json": {"schema": {"type": "object"}}}},
             **auth_errors}}},

@@ -44,6 +44,7 @@ class Decision:
     filtered: Mapping[str, str] = field(default_factory=dict)
     policy: str = ""
     decision_us: float = 0.0
+    rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
 
 
 class Controller:
@@ -79,14 +80,14 @@ class Controller:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
                                      _code([filtered[pinned]]))
-            mode, reason = pinned, "pinned by the request"
+            mode, reason, rule = pinned, "pinned by the request", "pinned"
         else:
             choice = policy.choose(features, filtered)
             if choice.mode is None:
                 raise NoEligibleMode(choice.reason, _code(list(filtered.values())))
-            mode, reason = choice.mode, f"policy {policy.name}: {choice.reason}"
+            mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
         elapsed = (time.perf_counter() - start) * 1e6
-        return Decision(mode, reason, features, filtered, policy.name, elapsed)
+        return Decision(mode, reason, features, filtered, policy.name, elapsed, rule)
 
     def reload(self, path: str | Path | None = None) -> RulePolicy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""

@@ -1,0 +1,100 @@
+"""Prometheus metrics (``GET /metrics``).
+
+Counters and histograms are updated as requests finish; per-mode state (queue depth, availability,
+quarantine, the engines' own prefix-cache and speculative counters) and memory are read at scrape time
+by a collector, so they are never stale and cost nothing between scrapes. Ratios (hit rates, acceptance)
+are left to the query side: everything counted is a counter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .pool import ModePool
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3)
+
+#: engine statistic -> (metric name, help) exported as per-mode counters at scrape time
+ENGINE_COUNTERS = {
+    "prefix_queries": ("modeswitch_prefix_cache_queries", "Prefix-cache lookups"),
+    "prefix_hits": ("modeswitch_prefix_cache_hits", "Prefix-cache lookups that reused stored KV"),
+    "prefix_hit_tokens": ("modeswitch_prefix_cache_hit_tokens", "Prompt tokens whose KV was reused"),
+    "spec_steps": ("modeswitch_spec_target_steps", "Target-model steps of speculative decoding"),
+    "spec_tokens": ("modeswitch_spec_tokens", "Tokens produced by speculative decoding (accepted drafts + 1 per step)"),
+}
+
+
+class _PoolCollector:
+    """Reads per-mode state and memory from the pool on every scrape."""
+
+    def __init__(self, pool: "ModePool") -> None:
+        self.pool = pool
+
+    def collect(self):
+        from .pool import memory_headroom
+
+        in_flight = GaugeMetricFamily("modeswitch_mode_in_flight", "Requests queued or running per mode", labels=["mode"])
+        up = GaugeMetricFamily("modeswitch_mode_available", "1 if the mode can take requests", labels=["mode"])
+        quarantined = GaugeMetricFamily("modeswitch_mode_quarantined", "1 while the mode is quarantined", labels=["mode"])
+        failures = CounterMetricFamily("modeswitch_mode_failures", "Requests a mode failed", labels=["mode"])
+        engine = {k: CounterMetricFamily(name, doc, labels=["mode"]) for k, (name, doc) in ENGINE_COUNTERS.items()}
+        for name, state in self.pool.modes.items():
+            in_flight.add_metric([name], state.in_flight)
+            up.add_metric([name], 1.0 if state.available else 0.0)
+            quarantined.add_metric([name], 1.0 if state.quarantine_left > 0 else 0.0)
+            failures.add_metric([name], state.failures)
+            stats = state.engine.stats() if state.engine is not None else {}
+            for key, family in engine.items():
+                if key in stats:
+                    family.add_metric([name], stats[key])
+        free, fraction = memory_headroom()
+        yield from (in_flight, up, quarantined, failures, *engine.values())
+        yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
+        yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)
+        weights = GaugeMetricFamily("modeswitch_weights_bytes", "Resident bytes per weights variant", labels=["weights"])
+        for variant in list(self.pool.weights.models):
+            weights.add_metric([variant], self.pool.weights.nbytes(variant))
+        yield weights
+
+
+class Metrics:
+    def __init__(self, pool: "ModePool | None" = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("modeswitch_requests", "Finished generation requests", ["mode", "outcome"], registry=r)
+        self.prompt_tokens = Counter("modeswitch_prompt_tokens", "Prompt tokens served", ["mode"], registry=r)
+        self.generated_tokens = Counter("modeswitch_generated_tokens", "Tokens generated", ["mode"], registry=r)
+        self.latency = Histogram("modeswitch_request_seconds", "End-to-end latency", ["mode"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("modeswitch_ttft_seconds", "Time to first token", ["mode"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("modeswitch_decisions", "Controller decisions by chosen mode and rule",
+                                 ["mode", "rule"], registry=r)
+        self.decision_seconds = Histogram("modeswitch_decision_seconds", "Controller decision time",
+                                          buckets=DECISION_BUCKETS, registry=r)
+        self.rejected = Counter("modeswitch_rejected", "Requests refused before generation, by error code",
+                                ["code"], registry=r)
+        if pool is not None:
+            r.register(_PoolCollector(pool))
+
+    def decided(self, mode: str, rule: str, seconds: float) -> None:
+        self.decisions.labels(mode, rule).inc()
+        self.decision_seconds.observe(seconds)
+
+    def finished(self, mode: str, outcome: str, prompt_tokens: int, generated: int, seconds: float,
+                 ttft: float | None) -> None:
+        """``outcome``: ok, error (the mode failed it), or cancelled (the client went away)."""
+        self.requests.labels(mode, outcome).inc()
+        self.prompt_tokens.labels(mode).inc(prompt_tokens)
+        self.generated_tokens.labels(mode).inc(generated)
+        self.latency.labels(mode).observe(seconds)
+        if ttft is not None:
+            self.ttft.labels(mode).observe(ttft)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
