@@ -24,6 +24,7 @@ from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "paper.yaml"
+REPORTS_DIR = Path(__file__).resolve().parent.parent / "evals" / "reports"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", default="auto", choices=["auto", "compiled", "eager"],
                    help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
+    p.add_argument("--gate-report", default=None,
+                   help="quality gate report the router enforces (default: evals/reports/<model>.json if it "
+                        "exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
     p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
     p.add_argument("--api-key", default=os.environ.get("MODESWITCH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (env MODESWITCH_API_KEY)")
@@ -81,7 +85,12 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
                     max_model_len=args.max_model_len, decode=args.decode)
     pool.load(progress)
-    return Service(pool, Controller(pool, policy, defined_modes=defined), preset.name)
+    controller = Controller(pool, policy, defined_modes=defined)
+    report = Path(args.gate_report) if args.gate_report else REPORTS_DIR / f"{Path(args.model).name}.json"
+    if args.gate_report != "none" and (args.gate_report or report.is_file()):
+        controller.load_quality_report(report)
+        progress(f"quality gate: enforcing {report}")
+    return Service(pool, controller, preset.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,12 +82,12 @@ class Generation:
     MAX_ATTEMPTS = 2
 
     def __init__(self, service: "Service", prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
-                 pinned: str | None) -> None:
+                 pinned: str | None, task: str = "general") -> None:
         self.service = service
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.pinned = pinned
-        self.features = service.features(self.prompt_ids, params)
+        self.features = service.features(self.prompt_ids, params, task)
         self.assembler = TextAssembler(service.tokenizer, stop)
         self.attempts: list[str] = []
         self.finish_reason = "length"
@@ -100,6 +100,7 @@ class Generation:
         self._pending: list[Event] = []
         self._excluded: frozenset[str] = frozenset()
         self._recorded = False
+        self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         self._submit()
 
     # ------------------------------------------------------------------ decide and submit
@@ -202,6 +203,7 @@ class Generation:
                     self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
                     if "speculative" in event.info:
                         self.extra["speculative"] = event.info["speculative"]
+                    self.logprobs = event.info.get("logprobs")
                     tail = self.assembler.flush()
                     if tail:
                         yield tail
@@ -247,7 +249,7 @@ class Service:
         self.tokenizer = pool.tokenizer
         self.metrics = Metrics(pool)
 
-    def features(self, prompt_ids: list[int], params: SamplingParams) -> Features:
+    def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
         by_mode = self.pool.prefix_matches(prompt_ids)
         match = max(by_mode.values(), default=0)
@@ -262,9 +264,11 @@ class Service:
             memory_free_gb=free / 2**30,
             greedy=int(params.greedy),
             prefix_match_by_mode=by_mode,
+            task=task,
+            scoring=int(params.prompt_logprobs is not None),
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
-              mode: str | None = None) -> Generation:
+              mode: str | None = None, task: str = "general") -> Generation:
         """Decide and submit; raises :class:`NoEligibleMode` when nothing can take the request."""
-        return Generation(self, prompt_ids, params, stop, mode)
+        return Generation(self, prompt_ids, params, stop, mode, task)

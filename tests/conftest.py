@@ -58,7 +58,7 @@ def server(tmp_path_factory) -> Server:
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
     proc, url, log_file = start_server(tmp, "--model", "demo", "--modes-dir", str(modes), "--modes-dir", str(extra),
-                                       "--policy", str(policy))
+                                       "--policy", str(policy), "--gate-report", "none")
     yield Server(url, proc, policy, log_file)
     proc.terminate()
     try:

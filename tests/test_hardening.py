@@ -37,7 +37,8 @@ def guarded(tmp_path_factory):
     os.environ["MODESWITCH_INJECT_FAULTS"] = "fp16"
     try:
         proc, url, log = start_server(tmp, "--model", "demo", "--modes", "fp16,prefix_cache,continuous_batching",
-                                      "--policy", str(policy), "--api-key", KEY, "--max-inflight-per-client", "3")
+                                      "--policy", str(policy), "--api-key", KEY, "--max-inflight-per-client", "3",
+                                      "--gate-report", "none")
     finally:
         del os.environ["MODESWITCH_INJECT_FAULTS"]
     yield url
@@ -134,7 +135,7 @@ def test_a_dropped_stream_cancels_its_generation_and_frees_its_slot(server):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
-    proc, url, log = start_server(tmp_path, "--model", "demo", "--modes", "fp16")
+    proc, url, log = start_server(tmp_path, "--model", "demo", "--modes", "fp16", "--gate-report", "none")
     try:
         body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
         with ThreadPoolExecutor(1) as pool:

@@ -15,12 +15,13 @@ from werkzeug.exceptions import HTTPException
 
 from ..admission import Admission, Refused
 from ..controller.decide import NoEligibleMode
+from ..controller.gates import judge
 from ..engines.base import SamplingParams
 from ..service import Generation, GenerationError, Service
 from ..yamlconf import ConfigError
 from .errors import ApiError
 from .openapi import PolicyReload, build_spec
-from .schemas import ChatBody, CompletionBody, parse
+from .schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, parse
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,10 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         return max_tokens
 
     def start(prompt_ids: list[int], req, max_tokens: int) -> Generation:
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                prompt_logprobs=req.logprobs if isinstance(req, CompletionBody) else None)
         try:
-            return service.start(prompt_ids, params, req.stop_list, req.mode)
+            return service.start(prompt_ids, params, req.stop_list, req.mode, req.task)
         except NoEligibleMode as exc:
             if req.mode is not None and exc.code == "unavailable":
                 raise ApiError(400, str(exc), param="mode", code="mode_unavailable") from None
@@ -132,18 +134,41 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
 
     def _completions():
         req = validated(CompletionBody)
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str) else req.prompt
-        if isinstance(prompt, str):
-            prompt_ids = service.tokenizer(prompt).input_ids
-        else:
-            vocab = len(service.tokenizer)
-            if any(t < 0 or t >= vocab for t in prompt):
+        prompts = req.prompts
+        if req.stream and len(prompts) > 1:
+            raise ApiError(400, "streaming takes one prompt per request", param="prompt")
+        vocab = len(service.tokenizer)
+        gens, echoes = [], []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt_ids = service.tokenizer(prompt).input_ids
+            elif any(t < 0 or t >= vocab for t in prompt):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            prompt_ids = list(prompt)
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        gen = start(prompt_ids, req, limit_tokens(prompt_ids, req.max_tokens, 16))
-        return respond(gen, req, "text_completion", lambda delta: {"text": delta, "logprobs": None})
+            else:
+                prompt_ids = list(prompt)
+            if not prompt_ids:
+                raise ApiError(400, "the prompt is empty", param="prompt")
+            max_tokens = limit_tokens(prompt_ids, req.max_tokens, 16)
+            echoes.append((prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt_ids))
+                          if req.echo else "")
+            gens.append(start(prompt_ids, req, max_tokens))
+
+        def choice(i: int, gen: Generation, text: str) -> dict:
+            return {"index": i, "text": echoes[i] + text,
+                    "logprobs": openai_logprobs(gen.logprobs) if gen.logprobs else None}
+
+        return respond(gens, req, "text_completion", choice, lambda text: {"text": text, "logprobs": None})
+
+    def openai_logprobs(lp: dict) -> dict:
+        """Engine scores (token ids) in OpenAI's legacy completions shape (token strings, offsets)."""
+        decode = service.tokenizer.decode
+        tokens = [decode([t]) for t in lp["token_ids"]]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        top = [None if d is None else {decode([t]): v for t, v in d.items()} for d in lp["top_logprobs"]]
+        return {"tokens": tokens, "token_logprobs": lp["token_logprobs"], "top_logprobs": top, "text_offset": offsets}
 
     @app.post("/v1/chat/completions")
     def chat_completions():
@@ -159,32 +184,42 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
             raise ApiError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         gen = start(list(prompt_ids), req, limit_tokens(list(prompt_ids), max_tokens, DEFAULT_CHAT_MAX_TOKENS))
-        return respond(gen, req, "chat.completion", None)
 
-    def respond(gen: Generation, req, kind: str, piece: Callable[[str], dict] | None) -> Response:
-        """Non-streaming JSON or SSE; ``piece`` builds a completions choice (None means chat)."""
+        def choice(i: int, gen: Generation, text: str) -> dict:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None}
+
+        return respond([gen], req, "chat.completion", choice, None)
+
+    def respond(gens: list[Generation], req, kind: str, choice: Callable[[int, Generation, str], dict],
+                piece: Callable[[str], dict] | None) -> Response:
+        """JSON (one choice per generation) or SSE (one generation); ``piece`` builds a streamed completions
+        delta (None means chat)."""
         rid = ("chatcmpl-" if piece is None else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         try:
-            gen.prime()  # retries on another mode if the first fails, before anything is sent
+            for gen in gens:
+                gen.prime()  # retries on another mode if the first fails, before anything is sent
         except GenerationError as exc:
+            for gen in gens:
+                gen.request.cancel()
             raise ApiError(503, str(exc), code="mode_failed", retry_after=RETRY_AFTER_S) from None
-        headers = {"X-ModeSwitch-Mode": gen.mode}
+        headers = {"X-ModeSwitch-Mode": gens[0].mode}
         if req.stream:
-            stream = sse(gen, req, rid, created, kind, piece)
+            stream = sse(gens[0], req, rid, created, kind, piece)
             return Response(stream, mimetype="text/event-stream",
                             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices = []
         try:
-            text = "".join(gen.deltas())
+            for i, gen in enumerate(gens):
+                text = "".join(gen.deltas())
+                choices.append({**choice(i, gen, text), "finish_reason": gen.finish_reason})
         except GenerationError as exc:
             raise ApiError(500, str(exc), code="mode_failed") from None
-        if piece is None:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": gen.finish_reason}
-        else:
-            choice = {"index": 0, **piece(text), "finish_reason": gen.finish_reason}
+        totals = [usage(g) for g in gens]
+        total = {k: sum(u[k] for u in totals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        total["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens for g in gens)}
         resp = jsonify({"id": rid, "object": kind, "created": created, "model": service.model_name,
-                        "choices": [choice], "usage": usage(gen), "modeswitch": gen.report()})
+                        "choices": choices, "usage": total, "modeswitch": gens[0].report()})
         resp.headers.update(headers)
         return resp
 
@@ -222,6 +257,28 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
             yield chunk(None, None, usage=usage(gen))
         yield "data: [DONE]\n\n"
 
+    # ------------------------------------------------------------------ tokenizer (vLLM's shapes, as lm-eval probes)
+    @app.post("/tokenize")
+    def tokenize():
+        req = parse(TokenizeBody, body())
+        tokens = service.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": service.pool.context_length})
+
+    @app.post("/detokenize")
+    def detokenize():
+        req = parse(DetokenizeBody, body())
+        vocab = len(service.tokenizer)
+        if any(t >= vocab for t in req.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return jsonify({"prompt": service.tokenizer.decode(req.tokens)})
+
+    @app.get("/tokenizer_info")
+    def tokenizer_info():
+        tok = service.tokenizer
+        return jsonify({"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                        "pad_token": tok.pad_token, "chat_template": tok.chat_template,
+                        "model_max_length": service.pool.context_length, "vocab_size": len(tok)})
+
     # ------------------------------------------------------------------ information routes
     @app.get("/health")
     def health():
@@ -249,11 +306,33 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
 
     @app.get("/v1/modes")
     def modes():
-        policy = service.controller.policy
-        return jsonify({"modes": service.pool.describe(), "policy": {"name": policy.name, "source": policy.source},
-                        "memory": service.pool.memory()})
+        controller = service.controller
+        policy, report = controller.policy, controller.quality_report
+        described = service.pool.describe()
+        if report is not None:
+            verdicts = judge(report, policy.quality, "general")
+            for d in described:
+                d["quality_gate"] = ("not in report" if d["name"] not in verdicts
+                                     else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
+        gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
+        return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
+                        "quality_gate": gate, "memory": service.pool.memory()})
 
     # ------------------------------------------------------------------ admin
+    @app.post("/admin/gate")
+    def reload_gate():
+        """Re-read the quality gate report (or another file: {"path": ...}); a broken file changes nothing."""
+        data = request.get_json(silent=True, force=True) if request.data else {}
+        if data is None:
+            raise ApiError(400, 'body must be empty or {"path": "evals/reports/MODEL.json"}', param="path")
+        reload = parse(PolicyReload, data)
+        try:
+            report = service.controller.load_quality_report(reload.path or None)
+        except ConfigError as exc:
+            raise ApiError(400, f"gate report not changed: {exc}", param="path", code="invalid_gate_report") from None
+        return jsonify({"report": str(service.controller.quality_report_path), "date": report.get("date"),
+                        "modes": sorted(report["modes"])})
+
     @app.get("/admin/policy")
     def get_policy():
         p = service.controller.policy

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .schemas import ChatBody, CompletionBody
+from .schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 REF = "#/components/schemas/{model}"
 #: One server-sent event: ``data`` is a JSON chunk (the completion's shape, with deltas) or ``[DONE]``.
@@ -47,9 +47,17 @@ class ModeSwitchInfo(_Open):
     reason: str
 
 
+class CompletionLogprobs(_Open):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Open):
     index: int
     text: str
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -118,6 +126,25 @@ class PolicyInfo(_Open):
     source: str
 
 
+class GateInfo(_Open):
+    report: str
+    modes: list[str]
+
+
+class Tokens(_Open):
+    tokens: list[int]
+    count: int
+
+
+class Detokenized(_Open):
+    prompt: str
+
+
+class TokenizerInfo(_Open):
+    eos_token: str | None
+    model_max_length: int
+
+
 class PolicyReload(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str | None = None
@@ -167,6 +194,19 @@ def build_spec(auth: bool) -> dict:
                      "requestBody": {"required": False, "content": {
                          "application/json": {"schema": _schema(PolicyReload, comps)}}},
                      "responses": {**json_ok(PolicyInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/admin/gate": {
+            "post": {"summary": "Reload the quality gate report; a broken file changes nothing",
+                     "requestBody": {"required": False, "content": {
+                         "application/json": {"schema": _schema(PolicyReload, comps)}}},
+                     "responses": {**json_ok(GateInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/tokenize": {"post": {"summary": "Token ids of a text (vLLM's shape)", "requestBody": {"required": True,
+                      "content": {"application/json": {"schema": _schema(TokenizeBody, comps)}}},
+                      "responses": {**json_ok(Tokens), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/detokenize": {"post": {"summary": "Text of token ids", "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _schema(DetokenizeBody, comps)}}},
+                        "responses": {**json_ok(Detokenized), **_errors(comps, 400, *([401] if auth else []))}}},
+        "/tokenizer_info": {"get": {"summary": "Special tokens, chat template, context length",
+                                    "responses": {**json_ok(TokenizerInfo), **auth_errors}}},
         "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {"200": {
             "description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}, **auth_errors}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {

@@ -28,6 +28,8 @@ class _Body(BaseModel):
     stream_options: dict | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     mode: str | None = Field(default=None, description="pin a mode by name (honoured only if it is available)")
+    task: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        default="general", description="task family for the quality gate (families are named in the policy)")
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -40,11 +42,30 @@ class _Body(BaseModel):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
+MAX_PROMPTS = 64
+
+
 class CompletionBody(_Body):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[int], Field(min_length=1)]
+             | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: None = Field(default=None, description="not supported yet")
-    echo: Literal[False] = False
+    echo: bool = Field(default=False, description="prepend the prompt to the returned text")
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = Field(
+        default=None, description="prompt scoring: with echo=true and max_tokens=1, every prompt token's logprob "
+                                  "and this many alternatives per position (what lm-eval's local-completions sends)")
+
+    @model_validator(mode="after")
+    def _scoring_only(self):
+        if self.logprobs is not None and not (self.echo and self.max_tokens == 1 and not self.stream):
+            raise ValueError("logprobs is supported for prompt scoring: echo=true, max_tokens=1, stream=false")
+        return self
+
+    @property
+    def prompts(self) -> list:
+        """The request's prompts: strings or token-id lists (several only as a list of token-id lists)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -94,3 +115,14 @@ def parse(model: type[BaseModel], data) -> BaseModel:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if _is_field(p))
         raise ApiError(400, f"{param or 'body'}: {err['msg']}", param=param or None) from None
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    prompt: str
+    add_special_tokens: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -7,6 +7,7 @@ working policy and requests in progress keep the policy they started with.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from typing import Mapping, Sequence
 
 from ..pool import ModePool
 from .features import Features
-from .gates import DEFAULT_GATES, Gate
+from ..yamlconf import ConfigError
+from .gates import DEFAULT_GATES, Gate, QualityGate
 from .rules import RulePolicy, load_policy
 
 
@@ -53,7 +55,9 @@ class Controller:
         """``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
         self.pool = pool
         self.policy = policy
-        self.gates = tuple(gates)
+        self.quality_report: dict | None = None
+        self.quality_report_path: Path | None = None
+        self.gates = (*gates, QualityGate(self))
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
         self._not_loaded = {m: "not loaded (--modes)" for m in self.defined_modes if m not in pool.modes}
         self._reload_lock = threading.Lock()
@@ -88,6 +92,20 @@ class Controller:
             mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
         elapsed = (time.perf_counter() - start) * 1e6
         return Decision(mode, reason, features, filtered, policy.name, elapsed, rule)
+
+    def load_quality_report(self, path: str | Path | None = None) -> dict | None:
+        """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""
+        path = Path(path) if path else self.quality_report_path
+        if path is None:
+            raise ConfigError("no quality gate report configured (--gate-report)")
+        try:
+            report = json.loads(Path(path).read_text())
+            if not isinstance(report.get("modes"), dict) or "fp16" not in report["modes"]:
+                raise ValueError("it has no fp16 reference results")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+        self.quality_report, self.quality_report_path = report, path
+        return report
 
     def reload(self, path: str | Path | None = None) -> RulePolicy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""

@@ -19,6 +19,7 @@ FEATURE_DOCS = {
     "memory_headroom": "free fraction of the device memory the models live in (0..1)",
     "memory_free_gb": "free device memory in GiB",
     "greedy": "1 when the request decodes greedily (temperature 0), else 0",
+    "scoring": "1 when the request asks for prompt logprobs (echo + logprobs), else 0",
 }
 
 
@@ -34,6 +35,10 @@ class Features:
     greedy: int
     #: per prefix-cache mode, how many leading prompt tokens that mode's store holds (rules may prefer the holder)
     prefix_match_by_mode: Mapping[str, int] = field(default_factory=dict)
+    #: the request's task family hint, for the quality gate ("general" unless the request says)
+    task: str = "general"
+    #: 1 when the request asks for prompt logprobs (echo + logprobs) instead of free generation
+    scoring: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -45,8 +45,12 @@ class CapabilityGate:
     name = "capability"
 
     def check(self, mode: ModeState, features: Features) -> str | None:
-        if not features.greedy and mode.engine is not None and not mode.engine.supports_sampling:
+        if mode.engine is None:
+            return None
+        if not features.greedy and not mode.engine.supports_sampling:
             return "serves greedy requests only (temperature 0)"
+        if features.scoring and not mode.engine.supports_scoring:
+            return "cannot return prompt logprobs"
         return None
 
 
@@ -60,6 +64,57 @@ class QuarantineGate:
         if left > 0:
             return f"quarantined for {left:.0f} s after: {mode.last_error}"
         return None
+
+
+class QualityGate:
+    """The mode's accuracy delta vs fp16, from the gate report, is within the policy's tolerance for the
+    request's task family. Verdicts are computed once per (report, policy, family) and then looked up."""
+
+    name = "quality"
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+        self._verdicts: dict = {}
+
+    def verdicts(self, family: str) -> dict[str, str | None]:
+        report, policy = self.controller.quality_report, self.controller.policy
+        key = (id(report), id(policy), family)
+        if key not in self._verdicts:
+            self._verdicts = {key: judge(report, policy.quality, family)}  # older keys are stale
+        return self._verdicts[key]
+
+    def check(self, mode: ModeState, features: Features) -> str | None:
+        quality = self.controller.policy.quality
+        report = self.controller.quality_report
+        if report is None:
+            return "no quality gate report (require_gate)" if quality.require_gate else None
+        verdict = self.verdicts(features.task).get(mode.name, "missing")
+        if verdict == "missing":
+            return "not in the quality gate report (require_gate)" if quality.require_gate else None
+        return verdict
+
+
+def judge(report: dict | None, quality, family: str) -> dict[str, str | None]:
+    """Per mode in the report: None if it passes for ``family``, else why it fails."""
+    if report is None:
+        return {}
+    base = report["modes"].get("fp16", {})
+    tasks = [t for t in quality.tasks_for(family, report["tasks"]) if t in report["tasks"]]
+    verdicts: dict[str, str | None] = {}
+    for mode, per_task in report["modes"].items():
+        failures = []
+        for task in tasks:
+            if task not in per_task or task not in base:
+                continue
+            value, ref = per_task[task]["value"], base[task]["value"]
+            if report["tasks"][task]["higher_is_better"]:
+                drop = (ref - value) * 100
+                if drop > quality.max_drop_pp:
+                    failures.append(f"{task} -{drop:.1f} pp")
+            elif (value / ref - 1) * 100 > quality.max_ppl_increase_pct:
+                failures.append(f"{task} +{(value / ref - 1) * 100:.1f} %")
+        verdicts[mode] = f"fails the quality gate ({', '.join(failures)})" if failures else None
+    return verdicts
 
 
 DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate())

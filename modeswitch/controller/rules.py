@@ -75,6 +75,20 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class QualityPolicy:
+    """How the quality gate reads a gate report: tolerances, whether modes without one are refused, and
+    which tasks make up each task family a request may name (``general``, and unknown families: all)."""
+
+    max_drop_pp: float = 1.0
+    max_ppl_increase_pct: float = 10.0
+    require_gate: bool = False
+    families: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def tasks_for(self, family: str, available: Iterable[str]) -> tuple[str, ...]:
+        return dict(self.families).get(family) or tuple(available)
+
+
+@dataclass(frozen=True)
 class RulePolicy:
     name: str
     rules: tuple[Rule, ...]
@@ -82,6 +96,7 @@ class RulePolicy:
     fallback: tuple[str, ...]
     source: str = ""
     description: str = ""
+    quality: QualityPolicy = QualityPolicy()
 
     def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
         """The first mode of the matching rule's list (then the fallback list) that no gate filtered."""
@@ -127,7 +142,7 @@ def _mode_list(sec: Section, key: str, known: set[str], default=None) -> tuple[s
 def parse_policy(data, source: str, known_modes: Iterable[str]) -> RulePolicy:
     known = set(known_modes)
     sec = Section(data, source)
-    sec.only({"name", "type", "description", "rules", "default", "fallback"})
+    sec.only({"name", "type", "description", "rules", "default", "fallback", "quality"})
     sec.get("type", str, "rules", ("rules",))
     rules = []
     raw_rules = sec.get("rules", list, [])
@@ -155,6 +170,25 @@ def parse_policy(data, source: str, known_modes: Iterable[str]) -> RulePolicy:
         default=_mode_list(sec, "default", known),
         fallback=_mode_list(sec, "fallback", known, []),
         source=source,
+        quality=_quality(sec.section("quality", None)),
+    )
+
+
+def _quality(sec: Section | None) -> QualityPolicy:
+    if sec is None:
+        return QualityPolicy()
+    sec.only({"max_drop_pp", "max_ppl_increase_pct", "require_gate", "families"})
+    families = sec.section("families", Section({}, sec.source, "quality.families"))
+    parsed = []
+    for family, tasks in families.data.items():
+        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
+            raise families.error("must be a non-empty list of task names", str(family))
+        parsed.append((str(family), tuple(tasks)))
+    return QualityPolicy(
+        max_drop_pp=float(sec.get("max_drop_pp", (int, float), 1.0)),
+        max_ppl_increase_pct=float(sec.get("max_ppl_increase_pct", (int, float), 10.0)),
+        require_gate=sec.get("require_gate", bool, False),
+        families=tuple(parsed),
     )
 
 

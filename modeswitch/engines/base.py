@@ -28,6 +28,9 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    #: score the prompt instead of generating: per-token logprobs with this many alternatives, plus one
+    #: greedy next token (what OpenAI's echo + logprobs + max_tokens=1 returns; lm-eval scores with it)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +88,8 @@ class Engine(ABC):
 
     #: False for engines whose decoding settings are fixed at start (they serve greedy requests only).
     supports_sampling = True
+    #: False for engines that cannot return prompt logprobs (transformers' continuous batching).
+    supports_scoring = True
     #: Test-only: fail every accepted request as a broken engine would (set by the pool from an env var).
     inject_fault = False
 

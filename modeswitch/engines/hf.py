@@ -175,7 +175,10 @@ class GenerateEngine(Engine):
                 req.emit("done", finish_reason="cancelled", cached_tokens=0)
                 continue
             try:
-                self._generate(req)
+                if req.params.prompt_logprobs is not None:
+                    self._score(req)
+                else:
+                    self._generate(req)
             except Exception as exc:  # one request's failure must not stop the worker
                 log.exception("mode %s failed a request", self.name)
                 req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
@@ -225,6 +228,26 @@ class GenerateEngine(Engine):
             info["speculative"] = {"target_steps": streamer.steps, "accepted_draft_tokens": streamer.tokens - streamer.steps}
         req.emit("done", **info)
 
+    @torch.inference_mode()
+    def _score(self, req: GenRequest) -> None:
+        """One forward pass over the prompt: each token's logprob given what precedes it, the ``k`` most
+        likely alternatives at each position, and the greedy next token with its own logprob."""
+        ids = req.prompt_ids
+        logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        following = torch.tensor(ids[1:] + [int(logprobs[-1].argmax())], device=logprobs.device)
+        chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
+        k = max(1, req.params.prompt_logprobs)
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+        tops = [dict(zip(i.tolist(), v.tolist())) for i, v in zip(top_ids, top_values)]
+        next_token = int(following[-1])
+        self.counters["requests"] += 1
+        self.counters["generated_tokens"] += 1
+        req.emit("tokens", [next_token])
+        req.emit("done", finish_reason="length", cached_tokens=0,
+                 logprobs={"token_ids": ids + [next_token], "token_logprobs": [None] + chosen,
+                           "top_logprobs": [None] + tops})
+
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self.counters)
         if self.prefix_store is not None:
@@ -253,6 +276,7 @@ class ContinuousBatchingEngine(Engine):
     """
 
     supports_sampling = False
+    supports_scoring = False
 
     def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int) -> None:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig

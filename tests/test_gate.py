@@ -1,0 +1,115 @@
+"""The quality gate: the lm-eval adapter, the gate report end to end, and the router enforcing it.
+
+The degraded mode is defined only here: the demo's weights with Gaussian noise (half of each matrix's
+standard deviation) on every decoder projection, served as the 'gptq' weights variant of a test mode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import requests
+import torch
+
+from conftest import ROOT
+from modeswitch.evals.gate import run_gate, write
+from modeswitch.evals.run import evaluate
+from modeswitch.launcher import start_server
+from modeswitch.models import prepare_demo_checkpoint
+
+
+@pytest.fixture(scope="module")
+def degraded_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = prepare_demo_checkpoint()
+    out = tmp_path_factory.mktemp("degraded") / "SmolLM2-noisy"
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+def test_adapter_scores_like_lm_evals_hf_model_and_above_chance():
+    ours = evaluate("modeswitch", tasks=("jargon_cloze",), limit=40, model_args="model=demo,mode=fp16")
+    hf = evaluate("hf", tasks=("jargon_cloze",), limit=40,
+                  model_args=f"pretrained={prepare_demo_checkpoint()},dtype=float32,device=cpu")
+    acc = ours["results"]["jargon_cloze"]["acc,none"]
+    assert acc == hf["results"]["jargon_cloze"]["acc,none"]
+    assert acc >= 0.6  # chance is 0.25: the task measures something on the demo model
+
+
+def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
+    modes = tmp_path / "modes"
+    modes.mkdir()
+    for name in ("fp16", "prefix_cache"):
+        shutil.copy(ROOT / "modes" / f"{name}.yaml", modes)
+    (modes / "degraded.yaml").write_text("name: degraded\nweights: gptq\ndescription: noisy weights (tests only)\n")
+    report = run_gate("demo", [modes], tasks=("jargon_cloze", "jargon_copy"), limit=12, gptq=str(degraded_dir),
+                      progress=lambda s: None)
+    path = write(report, tmp_path / "reports")
+    assert set(report["modes"]) == {"fp16", "prefix_cache", "degraded"}
+    assert all(e["pass"] for m in ("fp16", "prefix_cache") for e in report["modes"][m].values())
+    assert not all(e["pass"] for e in report["modes"]["degraded"].values())
+    assert "jargon_cloze" in path.with_suffix(".md").read_text()
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("name: prefer-degraded\nrules: []\ndefault: [degraded, prefix_cache]\nfallback: [fp16]\n"
+                      "quality: {max_drop_pp: 5.0}\n")
+    proc, url, _ = start_server(tmp_path, "--model", "demo", "--modes-dir", str(modes), "--gptq", str(degraded_dir),
+                                "--policy", str(policy), "--gate-report", str(path))
+    try:
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        for _ in range(3):  # the policy prefers the degraded mode; the gate never lets a request reach it
+            info = requests.post(url + "/v1/completions", json=body, timeout=60).json()["modeswitch"]
+            assert info["mode"] == "prefix_cache" and "degraded: fails the quality gate" in info["reason"]
+        pinned = requests.post(url + "/v1/completions", json={**body, "mode": "degraded"}, timeout=60)
+        assert pinned.status_code == 400 and pinned.json()["error"]["code"] == "mode_unavailable"
+        listed = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=10).json()["modes"]}
+        assert listed["degraded"]["quality_gate"].startswith("fails the quality gate")
+        assert listed["prefix_cache"]["quality_gate"] == "pass"
+
+        broken = requests.post(url + "/admin/gate", json={"path": str(tmp_path / "nope.json")}, timeout=10)
+        assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_gate_report"
+        # a report in which the degraded mode passes is picked up without a restart
+        edited = json.loads(path.read_text())
+        edited["modes"]["degraded"] = edited["modes"]["fp16"]
+        path.write_text(json.dumps(edited))
+        assert requests.post(url + "/admin/gate", timeout=10).status_code == 200
+        info = requests.post(url + "/v1/completions", json=body, timeout=60).json()["modeswitch"]
+        assert info["mode"] == "degraded"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_lm_evals_local_completions_through_the_server_matches_the_adapter(tmp_path):
+    """The server as an lm-eval target: echo + logprobs on token-id prompts (scoring) and generation."""
+    proc, url, _ = start_server(tmp_path, "--model", "demo", "--modes", "fp16,continuous_batching",
+                                "--gate-report", "none")
+    try:
+        tasks = ("jargon_cloze", "jargon_copy")
+        ours = evaluate("modeswitch", tasks=tasks, limit=20, model_args="model=demo,mode=fp16")["results"]
+        theirs = evaluate("local-completions", tasks=tasks, limit=20, model_args=(
+            f"base_url={url}/v1/completions,model=demo,tokenizer_backend=huggingface,"
+            f"tokenizer={prepare_demo_checkpoint()},tokenized_requests=True,num_concurrent=1,max_retries=1"))["results"]
+        assert theirs["jargon_cloze"]["acc,none"] == ours["jargon_cloze"]["acc,none"] >= 0.6
+        assert theirs["jargon_copy"]["exact_match,first_word"] == ours["jargon_copy"]["exact_match,first_word"]
+        # scoring requests never reach continuous batching, which cannot return prompt logprobs
+        modes = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=10).json()["modes"]}
+        assert modes["fp16"]["stats"]["requests"] > 80
+        info = requests.get(url + "/tokenizer_info", timeout=10).json()
+        assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 8192
+        tok = requests.post(url + "/tokenize", json={"prompt": "Hello world"}, timeout=10).json()
+        back = requests.post(url + "/detokenize", json={"tokens": tok["tokens"]}, timeout=10).json()
+        assert tok["count"] == len(tok["tokens"]) == 2 and back["prompt"] == "Hello world"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
