@@ -96,3 +96,33 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
     assert decision.mode == "fp16"
     assert decision.filtered["continuous_batching"] == "not loaded (--modes)"
     assert "continuous_batching: not loaded (--modes)" in decision.reason
+
+
+def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
+    from modeswitch.controller.decide import Controller
+    from modeswitch.models import PRESETS
+    from modeswitch.pool import ModePool
+
+    modes = [m for m in load_modes() if m.name in ("fp16", "gptq", "int8")]
+    pool = ModePool(PRESETS["demo"], modes, device="cpu")
+    for state in pool.modes.values():
+        state.status = "available"
+    report = {"tasks": {"cloze": {"higher_is_better": True}, "ppl": {"higher_is_better": False}},
+              "modes": {"fp16": {"cloze": {"value": 0.80}, "ppl": {"value": 100.0}},
+                        "gptq": {"cloze": {"value": 0.79}, "ppl": {"value": 140.0}}}}
+    text = ("rules: []\ndefault: [gptq, int8, fp16]\nquality: {max_drop_pp: 2, max_ppl_increase_pct: 10, "
+            "families: {cloze_only: [cloze]}}\n")
+    controller = Controller(pool, policy_from(text))
+    controller.quality_report = report
+    general = controller.decide(feats())
+    assert general.mode == "int8"  # gptq fails on perplexity (+40 %); int8 is not in the report: allowed
+    assert "gptq: fails the quality gate (ppl +40.0 %)" in general.reason
+    assert controller.decide(feats(task="cloze_only")).mode == "gptq"  # -1 pp on cloze is within 2 pp
+    strict = policy_from(text.replace("max_drop_pp: 2", "max_drop_pp: 2, require_gate: true"))
+    controller.policy = strict
+    assert controller.decide(feats(task="cloze_only")).mode == "gptq"
+    decision = controller.decide(feats())
+    assert decision.mode == "fp16" and "int8: not in the quality gate report (require_gate)" in decision.reason
+    controller.quality_report = None
+    with pytest.raises(Exception, match="no quality gate report"):
+        controller.decide(feats())
