@@ -319,15 +319,18 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
                         "quality_gate": gate, "memory": service.pool.memory()})
 
     # ------------------------------------------------------------------ admin
-    @app.post("/admin/gate")
-    def reload_gate():
-        """Re-read the quality gate report (or another file: {"path": ...}); a broken file changes nothing."""
+    def reload_path(example: str) -> str | None:
+        """The ``{"path": ...}`` of an admin reload; None (empty body) re-reads the current file."""
         data = request.get_json(silent=True, force=True) if request.data else {}
         if data is None:
-            raise ApiError(400, 'body must be empty or {"path": "evals/reports/MODEL.json"}', param="path")
-        reload = parse(PolicyReload, data)
+            raise ApiError(400, f'body must be empty or {{"path": "{example}"}}', param="path")
+        return parse(PolicyReload, data).path or None
+
+    @app.post("/admin/gate")
+    def reload_gate():
+        """Re-read the quality gate report (or another file); a broken file changes nothing."""
         try:
-            report = service.controller.load_quality_report(reload.path or None)
+            report = service.controller.load_quality_report(reload_path("evals/reports/MODEL.json"))
         except ConfigError as exc:
             raise ApiError(400, f"gate report not changed: {exc}", param="path", code="invalid_gate_report") from None
         return jsonify({"report": str(service.controller.quality_report_path), "date": report.get("date"),
@@ -343,12 +346,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
 
     @app.post("/admin/policy")
     def reload_policy():
-        data = request.get_json(silent=True, force=True) if request.data else {}
-        if data is None:
-            raise ApiError(400, 'body must be empty or {"path": "policies/NAME.yaml"}', param="path")
-        reload = parse(PolicyReload, data)
         try:
-            policy = service.controller.reload(reload.path or None)
+            policy = service.controller.reload(reload_path("policies/NAME.yaml"))
         except ConfigError as exc:
             raise ApiError(400, f"policy not changed: {exc}", param="path", code="invalid_policy") from None
         log.info("policy reloaded: %s from %s", policy.name, policy.source)
