@@ -227,12 +227,10 @@ class ModePool:
         """
         from transformers import AutoTokenizer
 
-        started = time.perf_counter()
         self.make_plan(progress)
         fp16_ref = self.weights.ref("fp16")
         self.tokenizer = AutoTokenizer.from_pretrained(fp16_ref)
         self.weights.get("fp16", progress)
-        self.load_seconds["weights:fp16"] = time.perf_counter() - started
         for state in self.modes.values():
             if state.reason:  # found unavailable while planning
                 progress(f"mode {state.name}: unavailable ({state.reason})")
@@ -321,6 +319,11 @@ class ModePool:
         return {"budget_bytes": plan.budget if plan else None, "planned_total_bytes": plan.total if plan else None,
                 "weights_bytes": measured, "weights_total_bytes": sum(measured.values()),
                 "kv_reserved_bytes": sum(f.kv_bytes for f in plan.footprints) if plan else 0}
+
+    def startup_seconds(self) -> dict[str, float]:
+        """Start-up time: each weights variant's load, and each mode's build and warm-up."""
+        loads = {f"weights:{v}": t for v, t in self.weights.load_seconds.items()}
+        return {k: round(t, 2) for k, t in {**loads, **self.load_seconds}.items()}
 
     def describe(self) -> list[dict[str, Any]]:
         out = []

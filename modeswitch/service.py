@@ -214,10 +214,6 @@ class Generation:
             self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
             self._record(outcome)
 
-    @property
-    def text(self) -> str:
-        return self.assembler.text
-
     def report(self) -> dict[str, Any]:
         """The ``modeswitch`` block of a response."""
         end = self.finished_at or time.perf_counter()

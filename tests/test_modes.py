@@ -60,6 +60,9 @@ def test_modes_share_weights_and_report_memory(server):
     assert "speculative_gptq_draft" in modes["gptq"]["weights_shared_with"]  # the self-draft costs no weights
     assert modes["prefix_cache"]["kv_bytes"] > modes["fp16"]["kv_bytes"] > 0  # stored prefixes are reserved
     assert mem["planned_total_bytes"] <= mem["budget_bytes"]
+    startup = body["startup_seconds"]
+    assert {"weights:fp16", "weights:gptq", "weights:int8", "mode:prefix_cache"} <= set(startup)
+    assert all(t >= 0 for t in startup.values()) and startup["weights:fp16"] > 0
 
 
 def test_models_and_health(server):

@@ -316,7 +316,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
                                      else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
         gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
         return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
-                        "quality_gate": gate, "memory": service.pool.memory()})
+                        "quality_gate": gate, "memory": service.pool.memory(),
+                        "startup_seconds": service.pool.startup_seconds()})
 
     # ------------------------------------------------------------------ admin
     def reload_path(example: str) -> str | None:
