@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -61,7 +60,6 @@ class GenRequest:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    submitted_at: float = field(default_factory=time.perf_counter)
     on_finish: list[Callable[[], None]] = field(default_factory=list)
     finished: bool = False
 
