@@ -42,6 +42,13 @@ class ModelShape:
     linear_out_features: int    # summed output widths (per-row scales)
     other_params: int           # embeddings, norms, lm_head: kept in the reference dtype
     kv_bytes_per_token: int     # at the reference dtype
+    head_params: int = 0        # lm_head (vocab x hidden): multiplied through once per token, like the linears
+    attn_width: int = 0         # layers x attention heads x head_dim (attention FLOPs per query-key pair / 4)
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights each token is multiplied through: 2 x this is the FLOPs per token outside attention."""
+        return self.linear_params + self.head_params
 
     @classmethod
     def from_config(cls, config, dtype_bytes: int) -> "ModelShape":
@@ -63,6 +70,8 @@ class ModelShape:
             linear_out_features=sum(m.out_features for m in linear),
             other_params=total - linear_params,
             kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes,
+            head_params=text.vocab_size * text.hidden_size,
+            attn_width=text.num_hidden_layers * text.num_attention_heads * head_dim,
         )
 
     def weights_bytes(self, variant: str, dtype_bytes: int, group_size: int = 64) -> int:

@@ -52,8 +52,22 @@ class _PoolCollector:
             for key, family in engine.items():
                 if key in stats:
                     family.add_metric([name], stats[key])
+        j_per_token = GaugeMetricFamily("modeswitch_mode_joules_per_token",
+                                        "Running J per generated token (what the energy gate reads)",
+                                        labels=["mode", "source"])
+        source = self.pool.energy.source
+        for name, state in self.pool.modes.items():
+            if state.j_per_token is not None:
+                j_per_token.add_metric([name, source], state.j_per_token)
+        totals = self.pool.energy.totals()
+        idle = CounterMetricFamily("modeswitch_energy_idle_joules", "Energy while no engine step ran",
+                                   labels=["source"])
+        idle.add_metric([source], totals["idle_j"])
+        attributed = CounterMetricFamily("modeswitch_energy_attributed_joules",
+                                         "Energy split over requests (all modes, warm-up included)", labels=["source"])
+        attributed.add_metric([source], totals["attributed_j"])
         free, fraction = memory_headroom()
-        yield from (in_flight, up, quarantined, failures, *engine.values())
+        yield from (in_flight, up, quarantined, failures, *engine.values(), j_per_token, idle, attributed)
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)
         weights = GaugeMetricFamily("modeswitch_weights_bytes", "Resident bytes per weights variant", labels=["weights"])
@@ -77,6 +91,8 @@ class Metrics:
                                  ["mode", "rule"], registry=r)
         self.decision_seconds = Histogram("modeswitch_decision_seconds", "Controller decision time",
                                           buckets=DECISION_BUCKETS, registry=r)
+        self.energy = Counter("modeswitch_energy_joules", "Energy attributed to finished requests",
+                              ["mode", "source"], registry=r)
         self.rejected = Counter("modeswitch_rejected", "Requests refused before generation, by error code",
                                 ["code"], registry=r)
         if pool is not None:
@@ -87,8 +103,10 @@ class Metrics:
         self.decision_seconds.observe(seconds)
 
     def finished(self, mode: str, outcome: str, prompt_tokens: int, generated: int, seconds: float,
-                 ttft: float | None) -> None:
-        """``outcome``: ok, error (the mode failed it), or cancelled (the client went away)."""
+                 ttft: float | None, energy_j: float = 0.0, energy_source: str = "estimated") -> None:
+        """``outcome``: ok, error (the mode failed it), or cancelled (the client went away).
+        ``energy_source``: measured (NVML) or estimated, kept as a label so the two are never summed together."""
+        self.energy.labels(mode, energy_source).inc(energy_j)
         self.requests.labels(mode, outcome).inc()
         self.prompt_tokens.labels(mode).inc(prompt_tokens)
         self.generated_tokens.labels(mode).inc(generated)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import psutil
 
+from .energy import HARDWARE, EnergyAccountant, StepCost, meter_for
 from .engines.base import Engine, GenRequest, SamplingParams
 from .memory import Footprint, MemoryPlan, ModelShape
 from .models import Preset, WeightsNotFound
@@ -36,8 +37,12 @@ QUARANTINE_BASE_S = 5.0
 QUARANTINE_MAX_S = 300.0
 #: Test-only fault injection: modes named here (comma-separated) fail every request they accept.
 FAULTS_ENV = "MODESWITCH_INJECT_FAULTS"
+#: Test-only slowness: ``mode=seconds,...`` adds that delay to every request the mode accepts.
+DELAY_ENV = "MODESWITCH_INJECT_DELAY"
 #: Memory kept free when the budget defaults to "what is free now".
 DEFAULT_HEADROOM = 0.10
+#: Weight of the newest request in a mode's running J/token (exponential moving average).
+ENERGY_EWMA_ALPHA = 0.2
 
 
 @dataclass
@@ -57,6 +62,9 @@ class ModeState:
     consecutive_failures: int = 0
     quarantined_until: float = 0.0
     last_error: str = ""
+    #: running J per generated token over this mode's completed requests (None until one has finished)
+    j_per_token: float | None = None
+    energy_requests: int = 0
 
     def record_failure(self, error: str) -> None:
         self.failures += 1
@@ -68,6 +76,15 @@ class ModeState:
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
+
+    def record_energy(self, joules: float, generated_tokens: int) -> None:
+        """Fold a completed request's energy into the mode's running J/token (what the energy gate reads)."""
+        if generated_tokens <= 0:
+            return
+        value = joules / generated_tokens
+        old = self.j_per_token
+        self.j_per_token = value if old is None else old + ENERGY_EWMA_ALPHA * (value - old)
+        self.energy_requests += 1
 
     @property
     def quarantine_left(self) -> float:
@@ -102,6 +119,8 @@ class ModeState:
             "in_flight": self.in_flight,
             **self.details,
         }
+        if self.j_per_token is not None:
+            out["energy"] = {"j_per_token": round(self.j_per_token, 6), "requests": self.energy_requests}
         if self.failures:
             out["health"] = {"failures": self.failures, "last_error": self.last_error,
                              "quarantine_left_s": round(self.quarantine_left, 1)}
@@ -134,7 +153,8 @@ class ModePool:
     """Plans memory, loads each weights variant once, and starts one engine per mode."""
 
     def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto",
-                 memory_budget: int | None = None, max_model_len: int = 8192, decode: str = "auto") -> None:
+                 memory_budget: int | None = None, max_model_len: int = 8192, decode: str = "auto",
+                 power_watts: float | None = None) -> None:
         from .engines.hf import resolve_device_dtype
 
         self.preset = preset
@@ -145,6 +165,9 @@ class ModePool:
         #: compiled static-cache decode for plain modes: on by default on a GPU, where eager decode is launch-bound
         self.compiled_decode = decode == "compiled" or (decode == "auto" and self.device.type == "cuda")
         self.weights = WeightStore(preset, self.device, self.dtype)
+        #: NVML where the GPU has the counter, else an estimate at ``power_watts`` (labelled "estimated")
+        self.energy = EnergyAccountant(meter_for(self.device.type, power_watts))
+        self.shape: ModelShape | None = None
         self.plan: MemoryPlan | None = None
         self.tokenizer = None
         self.context_length = 0
@@ -213,6 +236,7 @@ class ModePool:
                 detail += " + draft KV"
             plan.footprints.append(Footprint(spec.name, spec.weights, kv, detail))
         self.context_length = ctx
+        self.shape = shape
         progress(f"memory plan ({self.device}):\n{plan.describe()}")
         plan.check()
         self.plan = plan
@@ -245,11 +269,21 @@ class ModePool:
                 state.status, state.reason, state.engine = "unavailable", f"failed to start: {exc}", None
             if state.engine is not None:
                 self._warm_up(state)
-            if state.engine is not None and state.name in os.environ.get(FAULTS_ENV, "").split(","):
-                state.engine.inject_fault = True
-                state.details["fault_injected"] = FAULTS_ENV
+            if state.engine is not None:
+                self._inject(state)
             self.load_seconds[f"mode:{state.name}"] = time.perf_counter() - t0
             progress(f"mode {state.name}: {state.status}{' (' + state.reason + ')' if state.reason else ''}")
+
+    @staticmethod
+    def _inject(state: ModeState) -> None:
+        """Apply the test-only fault and delay injections named in the environment to this mode."""
+        if state.name in os.environ.get(FAULTS_ENV, "").split(","):
+            state.engine.inject_fault = True
+            state.details["fault_injected"] = FAULTS_ENV
+        delays = dict(item.rsplit("=", 1) for item in os.environ.get(DELAY_ENV, "").split(",") if "=" in item)
+        if state.name in delays:
+            state.engine.inject_delay_s = float(delays[state.name])
+            state.details["delay_injected_s"] = state.engine.inject_delay_s
 
     def _build(self, state: ModeState, progress: Callable[[str], None]) -> None:
         from .engines.hf import ContinuousBatchingEngine, GenerateEngine
@@ -280,7 +314,9 @@ class ModePool:
             static = self.context_length if compiled else None
             state.engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, static)
             state.details["decode"] = "compiled static cache" if static else "eager dynamic cache"
+        state.engine.attach_energy(self.energy, self.step_cost(spec.weights))
         state.status, state.reason = "available", ""
+
     def _warm_up(self, state: ModeState) -> None:
         """Run one short request through the mode's real path; a mode that fails it is marked unavailable."""
         req = GenRequest(prompt_ids=self.tokenizer("Hello").input_ids or [0], params=SamplingParams(max_tokens=2))
@@ -296,6 +332,12 @@ class ModePool:
             state.engine.close()
             state.status, state.reason, state.engine = "unavailable", f"failed warm-up: {exc or 'timeout'}", None
 
+    def step_cost(self, variant: str) -> StepCost:
+        """The roofline model of one step on ``variant``'s weights (shape from the plan, bytes as loaded)."""
+        shape = self.shape
+        return StepCost(shape.matmul_params, shape.attn_width, self.weights.nbytes(variant),
+                        shape.kv_bytes_per_token, HARDWARE.get(self.device.type, HARDWARE["cpu"]))
+
     # ------------------------------------------------------------------ queries
     def available(self) -> list[ModeState]:
         return [m for m in self.modes.values() if m.available]
@@ -308,9 +350,6 @@ class ModePool:
             if store is not None:
                 matches[name] = store.match_length(prompt_ids)
         return matches
-
-    def in_flight(self) -> int:
-        return sum(m.in_flight for m in self.modes.values())
 
     def memory(self) -> dict[str, Any]:
         """Planned and measured memory: weights per loaded variant (once), KV per mode, the budget."""
@@ -329,6 +368,8 @@ class ModePool:
         out = []
         for state in self.modes.values():
             d = state.describe()
+            if "energy" in d:
+                d["energy"]["source"] = self.energy.source
             if self.plan is not None and state.available:
                 d["memory"] = self.plan.mode_bytes(state.name)
                 if state.spec.weights in self.weights.models:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-report", default=None,
                    help="quality gate report the router enforces (default: evals/reports/<model>.json if it "
                         "exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
+    p.add_argument("--power-watts", type=float, default=None,
+                   help="power assumed by the energy estimate where NVML has no energy counter (CPUs, laptops); "
+                        "default 65 W on a CPU. Estimates are labelled 'estimated' everywhere")
     p.add_argument("--threads", type=int, default=32, help="HTTP worker threads (streams hold one each)")
     p.add_argument("--api-key", default=os.environ.get("MODESWITCH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (env MODESWITCH_API_KEY)")
@@ -83,8 +86,9 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
     pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
-                    max_model_len=args.max_model_len, decode=args.decode)
+                    max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts)
     pool.load(progress)
+    progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
     controller = Controller(pool, policy, defined_modes=defined)
     report = Path(args.gate_report) if args.gate_report else REPORTS_DIR / f"{Path(args.model).name}.json"
     if args.gate_report != "none" and (args.gate_report or report.is_file()):
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         server.close()
+        service.controller.close()
         service.pool.close()
     log.info("stopped")
     return 0

@@ -100,6 +100,7 @@ class Generation:
         self._pending: list[Event] = []
         self._excluded: frozenset[str] = frozenset()
         self._recorded = False
+        self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         self._submit()
 
@@ -123,6 +124,8 @@ class Generation:
                 self.attempts.append(f"{decision.mode}: {exc}")
                 self._excluded = self._excluded | {decision.mode}
                 continue
+            if getattr(self, "request", None) is not None:
+                self._spent_j += self.request.energy_j
             self.decision, self.request = decision, req
             self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)
             return
@@ -150,7 +153,13 @@ class Generation:
         end = self.finished_at or time.perf_counter()
         ttft = self.first_token_at - self.started_at if self.first_token_at is not None else None
         self.service.metrics.finished(self.mode, outcome, len(self.prompt_ids), self.completion_tokens,
-                                      end - self.started_at, ttft)
+                                      end - self.started_at, ttft, self.energy_j, self.service.pool.energy.source)
+        if outcome == "ok" and self.params.prompt_logprobs is None:
+            self.service.pool.modes[self.mode].record_energy(self.request.energy_j, self.completion_tokens)
+            if ttft is not None and not self.attempts:
+                n = self.completion_tokens
+                tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
+                self.service.controller.observe(self.mode, self.features, ttft, tpot, self.request.energy_j)
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -174,6 +183,18 @@ class Generation:
     @property
     def mode(self) -> str:
         return self.decision.mode
+
+    @property
+    def energy_j(self) -> float:
+        """Energy attributed to this request so far (all attempts), in joules."""
+        return self._spent_j + self.request.energy_j
+
+    def energy(self) -> dict[str, Any]:
+        """The request's energy for ``usage`` and the ``modeswitch`` block; ``source`` says measured or estimated."""
+        out = {"energy_j": round(self.energy_j, 6), "energy_source": self.service.pool.energy.source}
+        if self.completion_tokens:
+            out["j_per_token"] = round(self.energy_j / self.completion_tokens, 6)
+        return out
 
     def deltas(self) -> Iterator[str]:
         """Text as it becomes final; raises :class:`GenerationError` if the request cannot be served."""
@@ -228,8 +249,10 @@ class Generation:
             "policy": self.decision.policy,
             "features": self.features.as_dict(),
             "decision_us": round(self.decision.decision_us, 1),
+            **({"prediction": dict(self.decision.prediction)} if self.decision.prediction else {}),
             "timings": timings,
             "cached_tokens": self.cached_tokens,
+            "energy": self.energy(),
             **self.extra,
         }
         if self.attempts:
@@ -249,19 +272,21 @@ class Service:
         n = len(prompt_ids)
         by_mode = self.pool.prefix_matches(prompt_ids)
         match = max(by_mode.values(), default=0)
+        in_flight = {name: state.in_flight for name, state in self.pool.modes.items()}
         free, fraction = memory_headroom()
         return Features(
             prompt_tokens=n,
             max_tokens=params.max_tokens,
             prefix_match_tokens=match,
             prefix_match_ratio=match / n if n else 0.0,
-            queue_depth=self.pool.in_flight(),
+            queue_depth=sum(in_flight.values()),
             memory_headroom=fraction,
             memory_free_gb=free / 2**30,
             greedy=int(params.greedy),
             prefix_match_by_mode=by_mode,
             task=task,
             scoring=int(params.prompt_logprobs is not None),
+            in_flight_by_mode=in_flight,
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

@@ -123,7 +123,7 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         except NoEligibleMode as exc:
             if req.mode is not None and exc.code == "unavailable":
                 raise ApiError(400, str(exc), param="mode", code="mode_unavailable") from None
-            codes = {"saturated": "overloaded", "quarantined": "mode_quarantined"}
+            codes = {"saturated": "overloaded", "quarantined": "mode_quarantined", "memory": "insufficient_memory"}
             raise ApiError(503, str(exc), code=codes.get(exc.code, "no_eligible_mode"),
                            retry_after=RETRY_AFTER_S) from None
 
@@ -218,6 +218,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         totals = [usage(g) for g in gens]
         total = {k: sum(u[k] for u in totals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
         total["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens for g in gens)}
+        total["energy_j"] = round(sum(g.energy_j for g in gens), 6)
+        total["energy_source"] = service.pool.energy.source
         resp = jsonify({"id": rid, "object": kind, "created": created, "model": service.model_name,
                         "choices": choices, "usage": total, "modeswitch": gens[0].report()})
         resp.headers.update(headers)
@@ -227,7 +229,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         prompt = len(gen.request.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
                 "total_tokens": prompt + gen.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+                "energy_j": round(gen.energy_j, 6), "energy_source": service.pool.energy.source}
 
     def sse(gen: Generation, req, rid: str, created: int, kind: str, piece) -> Iterator[str]:
         obj = kind + ".chunk" if piece is None else kind
@@ -339,11 +342,7 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
 
     @app.get("/admin/policy")
     def get_policy():
-        p = service.controller.policy
-        return jsonify({"name": p.name, "source": p.source, "description": p.description,
-                        "rules": [{"name": r.name, "use": list(r.use),
-                                   "when": [f"{c.feature} {c.op} {c.value:g}" for c in r.conditions]} for r in p.rules],
-                        "default": list(p.default), "fallback": list(p.fallback)})
+        return jsonify(service.controller.policy.describe())
 
     @app.post("/admin/policy")
     def reload_policy():
@@ -352,6 +351,6 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         except ConfigError as exc:
             raise ApiError(400, f"policy not changed: {exc}", param="path", code="invalid_policy") from None
         log.info("policy reloaded: %s from %s", policy.name, policy.source)
-        return jsonify({"name": policy.name, "source": policy.source, "rules": len(policy.rules)})
+        return jsonify(policy.describe())
 
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from .schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
@@ -38,6 +38,9 @@ class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    energy_j: float = Field(description="energy attributed to this request's share of the engine steps, in joules")
+    energy_source: Literal["measured", "estimated"] = Field(
+        description="measured: NVML energy counter; estimated: configured power x time, split by a roofline model")
 
 
 class ModeSwitchInfo(_Open):
@@ -123,6 +126,7 @@ class Health(_Open):
 
 class PolicyInfo(_Open):
     name: str
+    type: Literal["rules", "learned"]
     source: str
 
 

@@ -17,13 +17,13 @@ from typing import Mapping, Sequence
 from ..pool import ModePool
 from .features import Features
 from ..yamlconf import ConfigError
-from .gates import DEFAULT_GATES, Gate, QualityGate
+from .gates import DEFAULT_GATES, EnergyGate, Gate, MemoryGate, QualityGate
 from .rules import RulePolicy, load_policy
 
 
 class NoEligibleMode(RuntimeError):
     """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help:
-    ``saturated`` or ``quarantined`` (temporary), ``unavailable`` (not for this request / not here)."""
+    ``saturated``, ``quarantined`` or ``memory`` (temporary), ``unavailable`` (not for this request / not here)."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -32,7 +32,7 @@ class NoEligibleMode(RuntimeError):
 
 def _code(reasons: list[str]) -> str:
     """The most hopeful reason among the gates' answers: waiting helps for saturation and quarantine."""
-    for prefix, code in (("saturated", "saturated"), ("quarantined", "quarantined")):
+    for prefix, code in (("saturated", "saturated"), ("quarantined", "quarantined"), ("memory pressure", "memory")):
         if any(r.startswith(prefix) for r in reasons):
             return code
     return "unavailable"
@@ -47,6 +47,7 @@ class Decision:
     policy: str = ""
     decision_us: float = 0.0
     rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
+    prediction: Mapping | None = None  # a learned policy's expectation for the chosen mode
 
 
 class Controller:
@@ -57,7 +58,7 @@ class Controller:
         self.policy = policy
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
-        self.gates = (*gates, QualityGate(self))
+        self.gates = (*gates, QualityGate(self), MemoryGate(self), EnergyGate(self))
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
         self._not_loaded = {m: "not loaded (--modes)" for m in self.defined_modes if m not in pool.modes}
         self._reload_lock = threading.Lock()
@@ -84,14 +85,40 @@ class Controller:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
                                      _code([filtered[pinned]]))
-            mode, reason, rule = pinned, "pinned by the request", "pinned"
+            mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
             choice = policy.choose(features, filtered)
-            if choice.mode is None:
+            if choice.mode is None and (spare := self._degrade(features, filtered)) is not None:
+                prediction = None
+                mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
+                                            f"{spare} (its KV is reserved at start)", "memory-degrade"
+            elif choice.mode is None:
                 raise NoEligibleMode(choice.reason, _code(list(filtered.values())))
-            mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
+            else:
+                mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
+                prediction = choice.prediction
         elapsed = (time.perf_counter() - start) * 1e6
-        return Decision(mode, reason, features, filtered, policy.name, elapsed, rule)
+        return Decision(mode, reason, features, filtered, policy.name, elapsed, rule, prediction)
+
+    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
+                energy_j: float | None) -> None:
+        """A request finished well in ``mode``: a learning policy updates its predictors."""
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None:
+            observe(mode, features, ttft_s, tpot_s, energy_j)
+
+    def close(self) -> None:
+        """Persist a learning policy's state (server shutdown)."""
+        save = getattr(self.policy, "save", None)
+        if save is not None:
+            save()
+
+    def _degrade(self, features: Features, filtered: Mapping[str, str]) -> str | None:
+        """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
+        gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
+        if features.memory_headroom >= self.policy.memory.min_headroom:
+            return None
+        return next((name for name in self.pool.modes if name not in filtered), None)
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
         """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""
@@ -110,6 +137,7 @@ class Controller:
     def reload(self, path: str | Path | None = None) -> RulePolicy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""
         with self._reload_lock:
+            self.close()  # a learning policy's state is saved first, so reloading its own file keeps what it learned
             new = load_policy(path or self.policy.source, self.defined_modes)
             self.policy = new
             return new

@@ -39,6 +39,8 @@ class Features:
     task: str = "general"
     #: 1 when the request asks for prompt logprobs (echo + logprobs) instead of free generation
     scoring: int = 0
+    #: requests in flight per mode (the queue in front of a request in that mode; batch occupancy for CB)
+    in_flight_by_mode: Mapping[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,8 +1,8 @@
 """Gates: filters that remove modes a request must not go to, each with the reason it gives.
 
 A gate answers ``None`` (pass) or a short reason. The controller applies them all before the policy
-chooses, so a policy can never route around one. Quality, energy and memory gates join this list
-in later issues; the interface stays the same.
+chooses, so a policy can never route around one. The policy-driven gates (quality, energy, memory) read
+the controller's current policy on every check, so a reloaded policy applies to the next request.
 """
 
 from __future__ import annotations
@@ -92,6 +92,45 @@ class QualityGate:
         if verdict == "missing":
             return "not in the quality gate report (require_gate)" if quality.require_gate else None
         return verdict
+
+
+class EnergyGate:
+    """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
+    the tightest cap that applies: the policy's, the mode's own, the matching rule's. A mode that has not
+    finished a request yet has no figure and passes: it cannot be judged before it has been tried."""
+
+    name = "energy"
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+    def check(self, mode: ModeState, features: Features) -> str | None:
+        if mode.j_per_token is None:
+            return None
+        policy = self.controller.policy
+        cap = policy.energy.cap(mode.name, policy.match(features))
+        if cap is not None and mode.j_per_token > cap[0]:
+            return f"energy: {mode.j_per_token:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})"
+        return None
+
+
+class MemoryGate:
+    """Under memory pressure (free fraction below the policy's ``memory.min_headroom``), only modes whose
+    KV is reserved at start take new requests: the others would allocate the request's KV now."""
+
+    name = "memory"
+
+    def __init__(self, controller) -> None:
+        self.controller = controller
+
+    def check(self, mode: ModeState, features: Features) -> str | None:
+        floor = self.controller.policy.memory.min_headroom
+        if features.memory_headroom >= floor or mode.engine is None or mode.engine.preallocated_kv:
+            return None
+        shape = self.controller.pool.shape
+        need = shape.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens) if shape else 0
+        return (f"memory pressure: {features.memory_headroom:.1%} free < {floor:.1%}, and this mode would "
+                f"allocate ~{need / 2**20:.1f} MiB of KV for the request")
 
 
 def judge(report: dict | None, quality, family: str) -> dict[str, str | None]:

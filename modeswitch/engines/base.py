@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from ..energy import EnergyAccountant, StepCost
 
 
 class QueueFull(RuntimeError):
@@ -62,6 +67,8 @@ class GenRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_finish: list[Callable[[], None]] = field(default_factory=list)
     finished: bool = False
+    #: energy attributed to this request's share of the engine steps it took part in (see modeswitch.energy)
+    energy_j: float = 0.0
 
     def emit(self, kind: str, token_ids=(), **info) -> None:
         """Send an event to the request's reader; the first terminal event also runs ``on_finish`` hooks."""
@@ -90,11 +97,44 @@ class Engine(ABC):
     supports_scoring = True
     #: Test-only: fail every accepted request as a broken engine would (set by the pool from an env var).
     inject_fault = False
+    #: Test-only: seconds added to every accepted request, as a mode that is slow on this hardware would be.
+    inject_delay_s = 0.0
+    #: True when a request allocates no new memory (its KV lives in a pool or static cache reserved at start):
+    #: the memory gate keeps such modes open under memory pressure.
+    preallocated_kv = False
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
         self._in_flight = 0
         self._lock = threading.Lock()
+        self.energy: EnergyAccountant | None = None
+        self.cost: StepCost | None = None
+
+    def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
+        """Have every step of this engine metered and split over its requests by ``cost``."""
+        self.energy, self.cost = accountant, cost
+
+    def _begin_step(self, work: Iterable[tuple[GenRequest, int, int]]) -> int | None:
+        """A forward step starts; ``work`` is (request, new tokens, KV tokens after the step) per request.
+        Returns the token :meth:`_end_step` takes (None when energy is not metered)."""
+        if self.energy is None:
+            return None
+        from ..energy import Share
+
+        work = list(work)
+        return self.energy.begin([Share(req, self.cost.seconds(new, kv, len(work))) for req, new, kv in work])
+
+    def _end_step(self, token: int | None) -> None:
+        if token is not None:
+            self.energy.end(token)
+
+    @contextmanager
+    def _metered_step(self, work: Iterable[tuple[GenRequest, int, int]]) -> Iterator[None]:
+        token = self._begin_step(work)
+        try:
+            yield
+        finally:
+            self._end_step(token)
 
     @property
     def in_flight(self) -> int:
@@ -108,6 +148,8 @@ class Engine(ABC):
                 raise QueueFull(f"{self._in_flight} requests in flight, limit {self.max_queue}")
             self._in_flight += 1
         req.on_finish.append(self._release)
+        if self.inject_delay_s:
+            time.sleep(self.inject_delay_s)
         if self.inject_fault:
             req.emit("error", error="RuntimeError: injected fault")
             return

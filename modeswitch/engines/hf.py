@@ -92,25 +92,35 @@ def eos_ids(model) -> set[int]:
 
 
 class _EventStreamer(BaseStreamer):
-    """Forwards each step's new tokens to the request; counts target steps for speculative statistics."""
+    """Forwards each step's new tokens to the request, meters each step (the interval between two outputs is
+    one forward step of the request), and counts target steps for speculative statistics."""
 
-    def __init__(self, req: GenRequest) -> None:
+    def __init__(self, engine: Engine, req: GenRequest, cached: int) -> None:
+        self.engine = engine
         self.req = req
         self.prompt_seen = False
+        self.kv = cached  # tokens in the KV cache
+        self.open_step: int | None = None
         self.steps = 0
         self.tokens = 0
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate() first streams the prompt itself
-            self.prompt_seen = True
-            return
         ids = value.reshape(-1).tolist()
-        self.steps += 1
-        self.tokens += len(ids)
-        self.req.emit("tokens", ids)
+        self.engine._end_step(self.open_step)
+        if not self.prompt_seen:  # generate() first streams the prompt itself: the next step is its prefill
+            self.prompt_seen = True
+            new = len(ids) - self.kv
+        else:
+            self.steps += 1
+            self.tokens += len(ids)
+            self.req.emit("tokens", ids)
+            new = len(ids)  # the next step feeds these back (speculative: about as many as it will verify)
+        self.kv += new
+        self.open_step = self.engine._begin_step([(self.req, new, self.kv)])
 
     def end(self) -> None:
-        pass
+        self.engine._end_step(self.open_step)
+        self.open_step = None
 
 
 class _StopWhenCancelled(StoppingCriteria):
@@ -153,6 +163,7 @@ class GenerateEngine(Engine):
         self.draft_model = draft_model
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.static_cache_len = static_cache_len
+        self.preallocated_kv = static_cache_len is not None
         self.eos = eos_ids(model)
         self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
         self._queue: queue.Queue[GenRequest | None] = queue.Queue()
@@ -187,11 +198,9 @@ class GenerateEngine(Engine):
     def _generate(self, req: GenRequest) -> None:
         device = self.model.device
         input_ids = torch.tensor([req.prompt_ids], device=device)
-        streamer = _EventStreamer(req)
         p = req.params
         kwargs: dict[str, Any] = dict(
             max_new_tokens=p.max_tokens,
-            streamer=streamer,
             stopping_criteria=StoppingCriteriaList([_StopWhenCancelled(req)]),
             return_dict_in_generate=True,
             attention_mask=torch.ones_like(input_ids),
@@ -213,7 +222,11 @@ class GenerateEngine(Engine):
             # One static KV shape for every request: transformers compiles the decode step once (at warm-up)
             # and replays it, instead of launching each layer's kernels eagerly (4.4x on an H200, STACK.md).
             kwargs.update(cache_implementation="static", max_cache_len=self.static_cache_len)
-        out = self.model.generate(input_ids, **kwargs)
+        streamer = _EventStreamer(self, req, cached)
+        try:
+            out = self.model.generate(input_ids, streamer=streamer, **kwargs)
+        finally:
+            streamer.end()
         sequence = out.sequences[0].tolist()
         generated = sequence[len(req.prompt_ids):]
         if self.prefix_store is not None:
@@ -233,7 +246,8 @@ class GenerateEngine(Engine):
         """One forward pass over the prompt: each token's logprob given what precedes it, the ``k`` most
         likely alternatives at each position, and the greedy next token with its own logprob."""
         ids = req.prompt_ids
-        logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0].float()
+        with self._metered_step([(req, len(ids), len(ids))]):
+            logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         following = torch.tensor(ids[1:] + [int(logprobs[-1].argmax())], device=logprobs.device)
         chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
@@ -277,6 +291,7 @@ class ContinuousBatchingEngine(Engine):
 
     supports_sampling = False
     supports_scoring = False
+    preallocated_kv = True  # the paged block pool is reserved at start
 
     def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int) -> None:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -297,6 +312,8 @@ class ContinuousBatchingEngine(Engine):
             auto_switch_to_flash=False,  # the model object is shared with other modes: leave its attention as is
         )
         self.manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+        self._manager_step = self.manager._generation_step
+        self.manager._generation_step = self._metered_manager_step  # called once per batch step by its thread
         self.manager.start()
         self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0}
         self._active: dict[str, tuple[GenRequest, int]] = {}
@@ -316,6 +333,18 @@ class ContinuousBatchingEngine(Engine):
             with self._active_lock:
                 self._active.pop(req.id, None)
             raise RuntimeError("the continuous-batching manager is not accepting requests")
+
+    def _metered_manager_step(self) -> None:
+        """One step of the manager's batch, metered: each request's part is its query tokens at its KV length."""
+        if self.energy is None:
+            return self._manager_step()
+        io = self.manager.batch_processor.inputs_and_outputs
+        host = io.io_pairs[io.current_pair].host_io if hasattr(io, "io_pairs") else io  # async batching: two IO pairs
+        with self._active_lock:
+            work = [(self._active[f.state.request_id][0], f.query_length, f.state.position_offset)
+                    for f in host.requests_in_batch if f.state.request_id in self._active]
+        with self._metered_step(work):
+            self._manager_step()
 
     def _route(self) -> None:
         while not self._stop.is_set():

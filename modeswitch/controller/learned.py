@@ -1,0 +1,317 @@
+"""The learned policy (``type: learned``): per mode, online predictors of latency and energy, lowest cost wins.
+
+```yaml
+name: learned
+type: learned
+modes: [fp16, prefix_cache, continuous_batching]  # candidates; the order breaks ties while cold
+objective: {latency: 1.0, energy: 0.0}  # cost = latency_s x w_latency + energy_j x w_energy
+explore: {min_samples: 2, epsilon: 0.05, decay: 200, max_cost_ratio: 1.5, seed: 0}
+forgetting: 0.995            # recursive least squares forgetting factor: < 1 follows a changing machine
+state: learned_state.json    # kept across restarts (relative paths: next to the policy file)
+warm_start: results.json     # a benchmark run's records, read when there is no state yet
+quality: {...}               # the gates' blocks, as in rule policies
+energy: {...}
+memory: {...}
+```
+
+Each mode has three recursive-least-squares models over a handful of features: time to first token from the
+tokens it must prefill (the prompt minus what its prefix cache holds; linear and quadratic) and the queue
+in front of it; time per output token from the context length and the queue; request energy from the same
+prefill terms and the output length. A request costs ``ttft + (max_tokens - 1) x tpot`` (and/or energy);
+the policy picks the cheapest mode that passed the gates. Exploration is bounded: each mode is tried
+``min_samples`` times, then with probability ``epsilon / (1 + decisions / decay)`` a mode predicted within
+``max_cost_ratio`` of the best is tried instead. Every completed request updates its mode's models, so a
+mode that is slow on this hardware is learned to be slow whatever a rule table would say.
+
+Plain numpy least squares rather than river or scikit-learn: three 4-5 dimensional models per mode, an
+exact closed-form update, and predictions as Python dot products keep a decision in microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..yamlconf import Section
+from .features import Features
+from .rules import Choice, EnergyPolicy, MemoryPolicy, QualityPolicy, Rule
+
+log = logging.getLogger(__name__)
+
+#: observations between two writes of the state file
+SAVE_EVERY = 10
+
+
+class OnlineLinear:
+    """Recursive least squares with exponential forgetting: the exact running solution of a (weighted)
+    least-squares fit, updated one observation at a time in O(d^2)."""
+
+    def __init__(self, dim: int, forgetting: float = 0.995, prior: float = 100.0) -> None:
+        self.forgetting = forgetting
+        self.w = np.zeros(dim)
+        self.P = np.eye(dim) * prior
+        self._w = [0.0] * dim  # plain floats: a Python dot product beats numpy's call overhead at this size
+
+    def predict(self, x: list[float]) -> float:
+        return sum(a * b for a, b in zip(self._w, x))
+
+    def update(self, x: list[float], y: float) -> None:
+        xv = np.asarray(x, dtype=float)
+        px = self.P @ xv
+        gain = px / (self.forgetting + xv @ px)
+        self.w = self.w + gain * (y - self.w @ xv)
+        self.P = (self.P - np.outer(gain, px)) / self.forgetting
+        self._w = self.w.tolist()
+
+    def to_dict(self) -> dict:
+        return {"w": self.w.tolist(), "P": self.P.tolist()}
+
+    def load(self, data: dict) -> None:
+        self.w, self.P = np.asarray(data["w"], dtype=float), np.asarray(data["P"], dtype=float)
+        self._w = self.w.tolist()
+
+
+def _prefill_tokens(mode: str, f: Features) -> float:
+    """Thousands of prompt tokens ``mode`` must prefill: what its prefix cache holds is skipped."""
+    return (f.prompt_tokens - f.prefix_match_by_mode.get(mode, 0)) / 1000.0
+
+
+def ttft_x(mode: str, f: Features) -> list[float]:
+    u = _prefill_tokens(mode, f)
+    return [1.0, u, u * u, float(f.in_flight_by_mode.get(mode, 0)), float(f.queue_depth)]
+
+
+def tpot_x(mode: str, f: Features) -> list[float]:
+    return [1.0, f.prompt_tokens / 1000.0, float(f.in_flight_by_mode.get(mode, 0)), float(f.queue_depth)]
+
+
+def energy_x(mode: str, f: Features) -> list[float]:
+    u = _prefill_tokens(mode, f)
+    return [1.0, u, u * u, f.max_tokens / 100.0, float(f.queue_depth)]
+
+
+@dataclass
+class ModeModel:
+    """What the policy has learned about one mode."""
+
+    forgetting: float
+    n: int = 0
+    ttft: OnlineLinear = field(init=False)
+    tpot: OnlineLinear = field(init=False)
+    energy: OnlineLinear = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ttft = OnlineLinear(5, self.forgetting)
+        self.tpot = OnlineLinear(4, self.forgetting)
+        self.energy = OnlineLinear(5, self.forgetting)
+
+    def latency(self, mode: str, f: Features) -> float:
+        """Seconds predicted for a request with features ``f``: first token, then ``max_tokens - 1`` more."""
+        ttft = max(self.ttft.predict(ttft_x(mode, f)), 0.0)
+        return ttft + max(f.max_tokens - 1, 0) * max(self.tpot.predict(tpot_x(mode, f)), 0.0)
+
+    def energy_j(self, mode: str, f: Features) -> float:
+        return max(self.energy.predict(energy_x(mode, f)), 0.0)
+
+    def update(self, mode: str, f: Features, ttft_s: float, tpot_s: float | None, energy_j: float | None) -> None:
+        self.ttft.update(ttft_x(mode, f), ttft_s)
+        if tpot_s is not None:
+            self.tpot.update(tpot_x(mode, f), tpot_s)
+        if energy_j is not None:
+            self.energy.update(energy_x(mode, f), energy_j)
+        self.n += 1
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict(), "energy": self.energy.to_dict()}
+
+    def load(self, data: dict) -> None:
+        self.n = int(data["n"])
+        for name in ("ttft", "tpot", "energy"):
+            getattr(self, name).load(data[name])
+
+
+@dataclass(frozen=True)
+class Exploration:
+    min_samples: int = 2
+    epsilon: float = 0.05
+    decay: float = 200.0
+    max_cost_ratio: float = 1.5
+    seed: int = 0
+
+
+@dataclass(eq=False)
+class LearnedPolicy:
+    name: str
+    modes: tuple[str, ...]
+    w_latency: float = 1.0
+    w_energy: float = 0.0
+    explore: Exploration = Exploration()
+    forgetting: float = 0.995
+    state_path: Path | None = None
+    warm_start_path: Path | None = None
+    source: str = ""
+    description: str = ""
+    quality: QualityPolicy = QualityPolicy()
+    energy: EnergyPolicy = EnergyPolicy()
+    memory: MemoryPolicy = MemoryPolicy()
+    rules: tuple[Rule, ...] = ()
+    models: dict[str, ModeModel] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.models = {m: ModeModel(self.forgetting) for m in self.modes}
+        self.decisions = 0
+        self.chosen = {m: 0 for m in self.modes}
+        self._since_save = 0
+        self._lock = threading.Lock()
+        self._rng = random.Random(self.explore.seed)
+        if self.state_path is not None and self.state_path.is_file():
+            self.load_state(self.state_path)
+        elif self.warm_start_path is not None:
+            self.warm_start(self.warm_start_path)
+
+    def describe(self) -> dict[str, Any]:
+        """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
+        return {"name": self.name, "type": "learned", "source": self.source, "description": self.description,
+                "modes": list(self.modes), "objective": {"latency": self.w_latency, "energy": self.w_energy},
+                "explore": vars(self.explore), "decisions": self.decisions,
+                "observations": {m: model.n for m, model in self.models.items()},
+                "state": str(self.state_path) if self.state_path else None}
+
+    # ------------------------------------------------------------------ deciding
+    def match(self, features: Features) -> Rule | None:
+        return None  # no rules: caps come from the energy block alone
+
+    def cost(self, mode: str, f: Features) -> float:
+        """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
+        model = self.models[mode]
+        cost = self.w_latency * model.latency(mode, f) if self.w_latency else 0.0
+        return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
+
+    def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
+        eligible = [m for m in self.modes if m not in filtered]
+        if not eligible:
+            skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)
+            return Choice(None, f"no eligible mode: {skipped}", None)
+        self.decisions += 1
+        tried = {m: max(self.models[m].n, self.chosen[m]) for m in eligible}  # chosen: counts requests in flight
+        cold = [m for m in eligible if tried[m] < self.explore.min_samples]
+        if cold:
+            mode = min(cold, key=tried.__getitem__)
+            self.chosen[mode] += 1
+            return Choice(mode, f"exploring {mode}: tried {tried[mode]} of {self.explore.min_samples} times",
+                          "explore", {"explore": True})
+        costs = {m: self.cost(m, features) for m in eligible}
+        best = min(eligible, key=costs.__getitem__)
+        mode, rule = best, "learned"
+        epsilon = self.explore.epsilon / (1 + self.decisions / self.explore.decay)
+        if len(eligible) > 1 and self._rng.random() < epsilon:
+            near = [m for m in eligible if m != best and costs[m] <= self.explore.max_cost_ratio * costs[best]]
+            if near:
+                mode, rule = self._rng.choice(near), "explore"
+        self.chosen[mode] += 1
+        latency, energy = self.models[mode].latency(mode, features), self.models[mode].energy_j(mode, features)
+        ranked = ", ".join(f"{m} {costs[m]:.3g}" for m in sorted(eligible, key=costs.__getitem__))
+        what = "exploring" if rule == "explore" else "lowest predicted cost"
+        reason = f"{what}: {mode} (predicted {latency:.3f} s, {energy:.3g} J; costs: {ranked})"
+        return Choice(mode, reason, rule, {"latency_s": round(latency, 5), "energy_j": round(energy, 5),
+                                           "explore": rule == "explore"})
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
+                energy_j: float | None) -> None:
+        """Fold a completed request into ``mode``'s models (modes outside the policy are ignored)."""
+        model = self.models.get(mode)
+        if model is None:
+            return
+        with self._lock:
+            model.update(mode, features, ttft_s, tpot_s, energy_j)
+            self._since_save += 1
+            if self.state_path is not None and self._since_save >= SAVE_EVERY:
+                self.save()
+
+    def warm_start(self, path: Path) -> int:
+        """Replay a benchmark run's per-request records (``benchmarks/run.py`` JSON); returns how many."""
+        records = json.loads(Path(path).read_text())["records"]
+        used = 0
+        for r in records:
+            if r.get("mode") in self.models and r.get("ok") and r.get("features"):
+                f = features_from(r["features"])
+                self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"))
+                used += 1
+        log.info("learned policy %s: warm start from %d records of %s", self.name, used, path)
+        return used
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        return {"name": self.name, "decisions": self.decisions,
+                "modes": {m: model.to_dict() for m, model in self.models.items()}}
+
+    def save(self) -> None:
+        """Write the state atomically (a crash never leaves half a file)."""
+        if self.state_path is None:
+            return
+        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.state()))
+        os.replace(tmp, self.state_path)
+        self._since_save = 0
+
+    def load_state(self, path: Path) -> None:
+        data = json.loads(Path(path).read_text())
+        for mode, saved in data.get("modes", {}).items():
+            if mode in self.models:
+                self.models[mode].load(saved)
+        self.decisions = int(data.get("decisions", 0))
+        log.info("learned policy %s: state restored from %s", self.name, path)
+
+
+def features_from(d: Mapping[str, Any]) -> Features:
+    """Features from their JSON form (a response's ``modeswitch.features``)."""
+    return Features(**{k: v for k, v in d.items() if k in Features.__dataclass_fields__})
+
+
+def parse_learned(sec: Section, source: str, known: set[str], common: dict) -> LearnedPolicy:
+    """``common``: the blocks shared with rule policies (name, description, quality, energy, memory)."""
+    sec.only({"name", "type", "description", "modes", "objective", "explore", "forgetting", "state", "warm_start",
+              "quality", "energy", "memory"})
+    modes = sec.get("modes", list, sorted(known))
+    for m in modes:
+        if m not in known:
+            raise sec.error(f"unknown mode {m!r} (modes: {', '.join(sorted(known))})", "modes")
+    if not modes:
+        raise sec.error("must name at least one mode", "modes")
+    objective = sec.section("objective", Section({}, source, "objective"))
+    objective.only({"latency", "energy"})
+    w_latency = float(objective.get("latency", (int, float), 1.0 if "energy" not in objective.data else 0.0))
+    w_energy = float(objective.get("energy", (int, float), 0.0))
+    if w_latency < 0 or w_energy < 0 or w_latency + w_energy == 0:
+        raise objective.error("weights must be >= 0 and not both 0")
+    ex = sec.section("explore", Section({}, source, "explore"))
+    ex.only({"min_samples", "epsilon", "decay", "max_cost_ratio", "seed"})
+    explore = Exploration(
+        min_samples=ex.get("min_samples", int, 2), epsilon=float(ex.get("epsilon", (int, float), 0.05)),
+        decay=float(ex.get("decay", (int, float), 200.0)), max_cost_ratio=float(ex.get("max_cost_ratio", (int, float), 1.5)),
+        seed=ex.get("seed", int, 0))
+    if not 0 <= explore.epsilon <= 1 or explore.decay <= 0 or explore.max_cost_ratio < 1 or explore.min_samples < 0:
+        raise ex.error("needs 0 <= epsilon <= 1, decay > 0, max_cost_ratio >= 1, min_samples >= 0")
+    forgetting = float(sec.get("forgetting", (int, float), 0.995))
+    if not 0.5 < forgetting <= 1:
+        raise sec.error(f"must be in (0.5, 1], got {forgetting}", "forgetting")
+    base = Path(source).parent
+
+    def path(key: str) -> Path | None:
+        value = sec.get(key, str, None)
+        return None if value is None else (base / value if not Path(value).is_absolute() else Path(value))
+
+    warm = path("warm_start")
+    if warm is not None and not warm.is_file():
+        raise sec.error(f"no such file: {warm}", "warm_start")
+    return LearnedPolicy(modes=tuple(modes), w_latency=w_latency, w_energy=w_energy, explore=explore,
+                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, source=source, **common)

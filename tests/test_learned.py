@@ -1,0 +1,142 @@
+"""The learned policy: online least squares, bounded exploration, persistence, and learning on the server
+that a mode is slow even though the policy's own order prefers it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import requests
+
+from modeswitch.controller.learned import LearnedPolicy, OnlineLinear
+from modeswitch.launcher import start_server
+from modeswitch.yamlconf import ConfigError
+from test_rules import feats, policy_from
+
+
+def test_online_least_squares_recovers_a_linear_law():
+    rng = random.Random(1)
+    model = OnlineLinear(3, forgetting=1.0)
+    for _ in range(200):
+        x = [1.0, rng.uniform(0, 2), rng.uniform(0, 5)]
+        model.update(x, 0.2 + 1.5 * x[1] + 0.1 * x[2] + rng.gauss(0, 0.01))
+    assert model.predict([1.0, 1.0, 2.0]) == pytest.approx(0.2 + 1.5 + 0.2, abs=0.02)
+
+
+def learned(text: str = "", **kw) -> LearnedPolicy:
+    return policy_from("type: learned\nmodes: [prefix_cache, fp16, gptq]\n" + text, **kw)
+
+
+def teach(policy: LearnedPolicy, mode: str, f, seconds_per_token: float, ttft: float = 0.1) -> None:
+    policy.observe(mode, f, ttft, seconds_per_token, energy_j=65 * (ttft + f.max_tokens * seconds_per_token))
+
+
+def test_learns_which_mode_is_fast_for_which_request_and_explores_only_near_the_best():
+    policy = learned("explore: {min_samples: 2, epsilon: 0.0}\n")
+    short, long_prompt = feats(prompt_tokens=64, max_tokens=32), feats(prompt_tokens=1024, max_tokens=32)
+    # cold: every mode is tried min_samples times, in the policy's order
+    first = [policy.choose(short, {}).mode for _ in range(3)]
+    assert first == ["prefix_cache", "fp16", "gptq"] and policy.choose(short, {}).rule == "explore"
+    for f in (short, long_prompt) * 4:
+        teach(policy, "prefix_cache", f, 0.2)                          # slow decoder
+        teach(policy, "fp16", f, 0.05, ttft=0.1 + f.prompt_tokens / 1000)
+        teach(policy, "gptq", f, 0.03, ttft=0.2 + 3 * f.prompt_tokens / 1000)  # fast decode, slow prefill
+    assert policy.choose(short, {}).mode == "gptq"
+    choice = policy.choose(long_prompt, {})
+    assert choice.mode == "fp16" and choice.rule == "learned" and choice.prediction["latency_s"] > 0
+    # gates still rule: a filtered mode is never chosen
+    assert policy.choose(short, {"gptq": "energy: over the cap"}).mode == "fp16"
+    # exploration (epsilon 1) picks only modes predicted within max_cost_ratio of the best: never prefix_cache
+    eager = learned("explore: {min_samples: 0, epsilon: 1.0, decay: 1000000000, max_cost_ratio: 1.5}\n")
+    eager.models = policy.models
+    picks = {eager.choose(short, {}).mode for _ in range(50)}
+    assert "prefix_cache" not in picks and "fp16" in picks
+
+
+def test_energy_objective_changes_the_choice():
+    f = feats(prompt_tokens=64, max_tokens=32)
+    lat = learned("explore: {min_samples: 0, epsilon: 0}\n")
+    nrg = learned("explore: {min_samples: 0, epsilon: 0}\nobjective: {energy: 1.0}\n")
+    for p in (lat, nrg):
+        for _ in range(5):
+            p.observe("fp16", f, 0.1, 0.02, energy_j=50.0)   # fast, hungry
+            p.observe("gptq", f, 0.1, 0.03, energy_j=20.0)   # slower, frugal
+            p.observe("prefix_cache", f, 0.1, 0.2, energy_j=200.0)
+    assert lat.choose(f, {}).mode == "fp16" and nrg.choose(f, {}).mode == "gptq"
+
+
+def test_state_persists_and_warm_start_replays_a_benchmark_run(tmp_path):
+    f = feats(prompt_tokens=100, max_tokens=16)
+    policy = learned("state: state.json\n", name=str(tmp_path / "p.yaml"))
+    for _ in range(4):
+        teach(policy, "fp16", f, 0.05)
+    policy.save()
+    again = learned("state: state.json\n", name=str(tmp_path / "p.yaml"))
+    assert again.models["fp16"].n == 4
+    assert again.models["fp16"].latency("fp16", f) == pytest.approx(policy.models["fp16"].latency("fp16", f))
+    records = {"records": [{"mode": "gptq", "ok": True, "features": f.as_dict(), "ttft_s": 0.1, "tpot_s": 0.01,
+                            "energy_j": 10.0}] * 3 + [{"mode": "fp16", "ok": False, "features": f.as_dict()}]}
+    (tmp_path / "run.json").write_text(json.dumps(records))
+    warm = learned("warm_start: run.json\n", name=str(tmp_path / "w.yaml"))
+    assert warm.models["gptq"].n == 3 and warm.models["fp16"].n == 0
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("modes: [fp17]\n", "unknown mode 'fp17'"),
+    ("objective: {latency: 0, energy: 0}\n", "not both 0"),
+    ("explore: {epsilon: 2}\n", "epsilon"),
+    ("forgetting: 0.1\n", "forgetting"),
+    ("warm_start: nowhere.json\n", "no such file"),
+    ("rules: []\n", "rules: unknown field"),
+])
+def test_invalid_learned_policies_are_rejected(text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        policy_from("type: learned\n" + text)
+
+
+LEARNED = """name: learned-test
+type: learned
+modes: [prefix_cache, fp16]   # prefix_cache first: what the rule table (paper.yaml's default) would pick
+explore: {min_samples: 2, epsilon: 0.05, seed: 3}
+state: learned_state.json
+"""
+
+
+@pytest.fixture(scope="module")
+def slow_prefix(tmp_path_factory):
+    """fp16 and prefix_cache, with prefix_cache made 0.5 s slower per request (test-only delay injection)."""
+    tmp = tmp_path_factory.mktemp("learned")
+    (tmp / "learned.yaml").write_text(LEARNED)
+    os.environ["MODESWITCH_INJECT_DELAY"] = "prefix_cache=0.5"
+    try:
+        proc, url, _ = start_server(tmp, "--model", "demo", "--modes", "fp16,prefix_cache",
+                                    "--policy", str(tmp / "learned.yaml"), "--gate-report", "none")
+    finally:
+        del os.environ["MODESWITCH_INJECT_DELAY"]
+    yield url, tmp
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_learns_on_the_server_that_the_preferred_mode_is_slow(slow_prefix):
+    url, tmp = slow_prefix
+    words = "hacker kludge cruft foo bar baz quux frob grovel hairy".split()
+    modes = []
+    for i in range(14):
+        prompt = f"Request {i}: the {words[i % 10]} was {' '.join(words[: 1 + i % 7])}"
+        resp = requests.post(url + "/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": 4,
+                                                            "temperature": 0}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        info = resp.json()["modeswitch"]
+        modes.append(info["mode"])
+    assert modes[:4].count("prefix_cache") == 2  # cold start: each mode tried twice
+    assert modes[-6:] == ["fp16"] * 6, modes
+    assert info["prediction"]["latency_s"] > 0 and "lowest predicted cost" in info["reason"]
+    before = requests.get(url + "/admin/policy", timeout=10).json()
+    assert before["type"] == "learned" and before["observations"]["prefix_cache"] >= 2
+    # reloading the file saves the state first and restores it: nothing learned is lost
+    after = requests.post(url + "/admin/policy", json={}, timeout=10).json()
+    assert after["observations"] == before["observations"]
+    assert (tmp / "learned_state.json").is_file()
