@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 ARGS ?= --model demo
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test bench bench-controller
 setup:
 	bash scripts/setup.sh
 
@@ -16,3 +16,6 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/modes.py --extra-modes
+
+bench-controller: setup
+	$(PY) benchmarks/run.py --sweep

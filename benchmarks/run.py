@@ -1,0 +1,242 @@
+"""The controller against every static mode and the oracle, on the reference workloads, in one run.
+
+Starts ``serve.py`` (extra server flags after ``--``) and sends the same mixed trace of the reference design's
+six workloads (short/short, short/long, long/short, long/long, shared-prefix chat, memory pressure; token
+counts times --scale) to:
+
+  1. every static mode, pinned (the quality gate off, so every mode is measured);
+  2. the rule policy (policies/paper.yaml) and the learned policy (policies/learned.yaml, online from
+     scratch, --learned-passes times over the trace), with the quality gate report loaded;
+  3. the learned policy again, warm-started from the static runs' records (one pass);
+  4. the oracle: per request, the fastest static mode that passes the quality gate.
+
+Each run reads its prompts from its own stretch of real text, so prefix caches never carry over between
+runs. Per request it records TTFT, latency, tokens, energy (measured or estimated), mode and reason; it
+writes JSON (every record), a markdown table, and PNG plots (latency CDF, J/token, mode mix, regret) to
+benchmarks/results/. --sweep adds the prefix-reuse sweeps (shared-prefix length, suffix diversity,
+concurrency, arrival pattern) for fp16, prefix_cache, the rule policy and the learned policy.
+
+    python benchmarks/run.py                         # demo model, CPU-sized (--scale 0.25, 100 requests)
+    python benchmarks/run.py --model /path/llama --scale 1 --tag h200 -- --max-model-len 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from modeswitch.bench import report
+from modeswitch.bench.client import send
+from modeswitch.bench.workloads import REFERENCE, TextSource, arrivals, prefix_reuse, trace
+from modeswitch.launcher import ROOT, start_server
+
+REFERENCE_MODES = ["fp16", "gptq", "int8", "prefix_cache", "continuous_batching", "gptq+prefix_cache",
+                   "int8+continuous_batching", "speculative"]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--scale", type=float, default=0.25, help="multiply the reference token counts (1 = as published)")
+    p.add_argument("--requests", type=int, default=100, help="requests in the mixed trace")
+    p.add_argument("--learned-passes", type=int, default=2, help="times the cold learned policy runs the trace")
+    p.add_argument("--concurrency", type=int, default=1, help="closed-loop clients for the main comparison")
+    p.add_argument("--modes", default=",".join(REFERENCE_MODES), help="static modes to pin (comma-separated)")
+    p.add_argument("--gate-report", default=None, help="quality gate report (default evals/reports/<model>.json)")
+    p.add_argument("--sweep", action="store_true", help="also run the prefix-reuse sweeps")
+    p.add_argument("--sweep-requests", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args, server_args = p.parse_known_args()
+    return args, [a for a in server_args if a != "--"]
+
+
+class Bench:
+    def __init__(self, url: str, source: TextSource, args) -> None:
+        self.url, self.source, self.args = url, source, args
+        self.run_index = 0
+        shapes = [s.scaled(args.scale) for s in REFERENCE]
+        self.shapes = shapes
+
+    def next_trace(self):
+        self.run_index += 1
+        return trace(self.source, self.shapes, self.args.requests, run=self.run_index, seed=self.args.seed)
+
+    def send(self, name: str, slots, mode: str | None = None, concurrency: int | None = None):
+        with tqdm(total=len(slots), desc=name, unit="req", leave=False) as bar:
+            return send(self.url, slots, mode, concurrency or self.args.concurrency, progress=bar.update)
+
+    def policy(self, path: Path) -> dict:
+        resp = requests.post(self.url + "/admin/policy", json={"path": str(path)}, timeout=60)
+        resp.raise_for_status()
+        return resp.json()
+
+
+def learned_policy(tmp: Path, name: str, extra: str) -> Path:
+    path = tmp / f"{name}.yaml"
+    text = (ROOT / "policies" / "learned.yaml").read_text().replace("name: learned", f"name: {name}")
+    path.write_text(text + extra)
+    return path
+
+
+def main() -> int:
+    args, server_args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="modeswitch-bench-"))
+    static_modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    t0 = time.perf_counter()
+    proc, url, log_file = start_server(tmp, "--model", args.model, "--gate-report", "none", *server_args)
+    startup_s = time.perf_counter() - t0
+    try:
+        bench = Bench(url, TextSource(_tokenizer(args.model)), args)
+        cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
+        static_modes = [m for m in static_modes if cards.get(m, {}).get("status") == "available"]
+        runs: dict[str, list] = {}
+        for mode in static_modes:
+            runs[f"mode:{mode}"] = bench.send(f"mode:{mode}", bench.next_trace(), mode)
+            tqdm.write(_line(f"mode:{mode}", runs[f"mode:{mode}"]))
+
+        gate_path = Path(args.gate_report) if args.gate_report else ROOT / "evals" / "reports" / f"{Path(args.model).name}.json"
+        verdicts = {m: "pass" for m in cards}
+        if gate_path.is_file():
+            requests.post(url + "/admin/gate", json={"path": str(gate_path)}, timeout=60).raise_for_status()
+            cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
+            verdicts = {m: card.get("quality_gate", "pass") for m, card in cards.items()}
+        allowed = [m for m in static_modes if verdicts[m] in ("pass", "not in report")]
+
+        bench.policy(ROOT / "policies" / "paper.yaml")
+        runs["paper"] = bench.send("paper", bench.next_trace())
+        tqdm.write(_line("paper", runs["paper"]))
+
+        bench.policy(learned_policy(tmp, "learned", f"state: {tmp / 'learned_state.json'}\n"))
+        runs["learned"] = []
+        for i in range(args.learned_passes):
+            runs["learned"] += bench.send(f"learned pass {i + 1}", bench.next_trace())
+        tqdm.write(_line("learned", runs["learned"]))
+
+        warm = tmp / "warm_start.json"
+        warm.write_text(json.dumps({"records": [r for k, v in runs.items() if k.startswith("mode:") for r in v]}))
+        bench.policy(learned_policy(tmp, "learned-warm", f"warm_start: {warm}\n"))
+        runs["learned-warm"] = bench.send("learned-warm", bench.next_trace())
+        tqdm.write(_line("learned-warm", runs["learned-warm"]))
+
+        best = report.oracle({k[5:]: v for k, v in runs.items() if k.startswith("mode:")}, allowed)
+        runs["oracle"] = best
+        sweep = run_sweep(bench, tmp) if args.sweep else None
+        admin = requests.get(url + "/admin/policy", timeout=30).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    rows = report.compare(runs)
+    quality = {}
+    for name, records in runs.items():
+        used = {r["mode"] for r in records if r.get("ok")}
+        failing = sorted(m for m in used if verdicts.get(m) not in ("pass", "not in report"))
+        quality[name] = f"uses {', '.join(failing)}: fails the gate" if failing else "all modes pass"
+    n = args.requests
+    last_pass = {"learned (last pass)": runs["learned"][-n:]}
+    statics = [r for r in rows if r["run"].startswith("mode:") and r["run"][5:] in allowed and "mean_latency_s" in r]
+    best_static = min(statics, key=lambda r: r["mean_latency_s"]) if statics else None
+    targets = {
+        "best_static": best_static["run"] if best_static else None,
+        "learned_mean_s": report.summarize(runs["learned"]).get("mean_latency_s"),
+        "learned_last_pass_mean_s": report.summarize(last_pass["learned (last pass)"]).get("mean_latency_s"),
+        "learned_warm_mean_s": report.summarize(runs["learned-warm"]).get("mean_latency_s"),
+        "best_static_mean_s": best_static["mean_latency_s"] if best_static else None,
+        "oracle_mean_s": report.summarize(best).get("mean_latency_s"),
+        "oracle_gain_share": {k: report.oracle_gain_share({**runs, **last_pass}, k)
+                              for k in ("learned", "learned (last pass)", "learned-warm", "paper")},
+        "decision_us_p50": {k: report.summarize(runs[k]).get("decision_us_p50")
+                            for k in ("paper", "learned", "learned-warm")},
+    }
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    stem = f"{stamp}_controller_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"
+    pngs = report.plots(out, stem, runs, "learned", best)
+    result = {"date": datetime.now(timezone.utc).isoformat(), "model": args.model, "scale": args.scale,
+              "requests": args.requests, "learned_passes": args.learned_passes, "concurrency": args.concurrency,
+              "shapes": [vars(s) for s in bench.shapes], "machine": platform.platform(),
+              "server_args": server_args, "startup_s": startup_s, "gate_report": str(gate_path) if gate_path.is_file() else None,
+              "quality_verdicts": verdicts, "allowed_for_oracle": allowed, "targets": targets,
+              "learned_state": admin, "rows": rows, "sweep": sweep, "records": runs}
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    md = [f"# Controller vs static modes vs oracle — {args.model}, {platform.machine()}, {stamp}", "",
+          f"Mixed trace of {args.requests} requests over the six reference workloads at scale {args.scale} "
+          f"({', '.join(f'{s.name} {s.prompt_tokens}->{s.max_tokens}' for s in bench.shapes)}), "
+          f"closed loop, concurrency {args.concurrency}. The learned policy ran the trace {args.learned_passes} "
+          f"times from scratch (its row covers all {len(runs['learned'])} requests). Energy: "
+          f"{rows[0].get('energy_source', '-')}.", "", report.markdown(rows, quality), "",
+          "## Targets", "", "```", json.dumps(targets, indent=1), "```", ""]
+    if sweep:
+        md += ["## Prefix-reuse sweeps (mean latency s)", "", sweep_markdown(sweep), ""]
+    md += [f"![{p.stem}]({p.name})" for p in pngs]
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md[:len(rows) + 12]))
+    print(f"wrote {out / stem}.json, .md and {len(pngs)} plots")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    from modeswitch.models import local_or_hub, resolve_preset
+
+    return AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(model).fp16, "tokenizer"))
+
+
+def _line(name: str, records: list) -> str:
+    s = report.summarize(records)
+    return (f"{name:28s} mean {s.get('mean_latency_s', float('nan')):.3f} s  p99 {s.get('p99_latency_s', float('nan')):.3f} s"
+            f"  J/token {s.get('j_per_token', float('nan')):.3g}  errors {s['errors']}  modes {s.get('mode_mix')}")
+
+
+SWEEP = [  # (label, prefix fraction, distinct prefixes, concurrency, arrival)
+    ("prefix 25%", 0.25, 1, 1, "closed"), ("prefix 50%", 0.5, 1, 1, "closed"), ("prefix 90%", 0.9, 1, 1, "closed"),
+    ("4 prefixes", 0.75, 4, 1, "closed"), ("16 prefixes", 0.75, 16, 1, "closed"),
+    ("concurrency 4", 0.75, 1, 4, "closed"), ("poisson", 0.75, 1, 1, "poisson"), ("bursts of 4", 0.75, 1, 1, "burst"),
+]
+
+
+def run_sweep(bench: Bench, tmp: Path) -> dict:
+    """Prefix-reuse variations around 'one conversation, 75 % shared prefix, one client, closed loop'."""
+    shape = next(s for s in bench.shapes if s.name == "shared_prefix")
+    policies = {"mode:fp16": "fp16", "mode:prefix_cache": "prefix_cache", "paper": None, "learned": None}
+    results: dict = {}
+    for label, fraction, prefixes, conc, arrival in SWEEP:
+        results[label] = {}
+        for name, pinned in policies.items():
+            if name in ("paper", "learned"):
+                bench.policy(ROOT / "policies" / "paper.yaml" if name == "paper"
+                             else learned_policy(tmp, "learned", f"state: {tmp / 'learned_state.json'}\n"))
+            bench.run_index += 1
+            slots = prefix_reuse(bench.source, bench.args.sweep_requests, bench.run_index, shape.prompt_tokens,
+                                 shape.max_tokens, fraction, prefixes, seed=bench.args.seed)
+            # open loop at about the rate one fp16 client sustains, so queues form but do not explode
+            slots = arrivals(slots, arrival, rate=0.8 / max(shape.max_tokens * 0.05, 0.1))
+            records = bench.send(f"{label} {name}", slots, pinned, conc)
+            results[label][name] = report.summarize(records)
+    return results
+
+
+def sweep_markdown(sweep: dict) -> str:
+    names = list(next(iter(sweep.values())))
+    lines = ["| variation | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for label, per in sweep.items():
+        lines.append(f"| {label} | " + " | ".join(report._f(per[n].get("mean_latency_s")) for n in names) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""The benchmark harness: workloads of real text, the streaming client against the real server, the oracle,
+regret, the comparison table and the plots."""
+
+from __future__ import annotations
+
+import pytest
+
+from modeswitch.bench import report
+from modeswitch.bench.client import send
+from modeswitch.bench.workloads import REFERENCE, Shape, TextSource, arrivals, prefix_reuse, trace
+
+
+@pytest.fixture(scope="module")
+def source():
+    from transformers import AutoTokenizer
+
+    from modeswitch.models import local_or_hub, resolve_preset
+
+    return TextSource(AutoTokenizer.from_pretrained(local_or_hub(resolve_preset("demo").fp16, "tokenizer")))
+
+
+def test_traces_have_the_same_shapes_in_every_run_but_their_own_text(source):
+    shapes = [s.scaled(0.05) for s in REFERENCE]
+    assert shapes[4] == Shape("shared_prefix", 51, 6, 38)
+    a, b = trace(source, shapes, 12, run=1), trace(source, shapes, 12, run=2)
+    assert [s.workload for s in a] == [s.workload for s in b]
+    assert all(len(x.prompt_ids) == len(y.prompt_ids) and x.max_tokens == y.max_tokens for x, y in zip(a, b))
+    assert all(x.prompt_ids[:8] != y.prompt_ids[:8] for x, y in zip(a, b))  # no prefix carries across runs
+    shared = [s.prompt_ids[:38] for s in a if s.workload == "shared_prefix"]
+    assert len(shared) >= 2 and all(p == shared[0] for p in shared)
+    firsts = [s.prompt_ids[:8] for s in a if s.workload != "shared_prefix"]
+    assert len({tuple(p) for p in firsts}) == len(firsts)  # every other prompt starts differently
+
+
+def test_prefix_reuse_and_arrival_patterns(source):
+    slots = prefix_reuse(source, 12, run=3, prompt_tokens=40, max_tokens=4, prefix_fraction=0.5, prefixes=3)
+    assert len({tuple(s.prompt_ids[:20]) for s in slots}) <= 3 and all(len(s.prompt_ids) == 40 for s in slots)
+    poisson = [s.at for s in arrivals(slots, "poisson", rate=2.0)]
+    assert poisson == sorted(poisson) and 1.0 < poisson[-1] < 20.0
+    assert [s.at for s in arrivals(slots, "burst", rate=2.0, burst=4)][:8] == [0, 0, 0, 0, 2, 2, 2, 2]
+    with pytest.raises(ValueError, match="unknown arrival"):
+        arrivals(slots, "tidal")
+
+
+def test_runs_against_the_server_the_oracle_and_the_report(server, source, tmp_path):
+    shapes = [Shape("short", 12, 4), Shape("long", 60, 4)]
+    runs = {}
+    for i, mode in enumerate(["fp16", "prefix_cache"]):
+        runs[f"mode:{mode}"] = send(server.url, trace(source, shapes, 4, run=10 + i), mode)
+    runs["paper"] = send(server.url, arrivals(trace(source, shapes, 4, run=12), "poisson", rate=20.0))
+    for records in runs.values():
+        assert [r["slot"] for r in records] == [0, 1, 2, 3] and all(r["ok"] for r in records)
+        assert all(1 <= r["tokens"] <= 4 and r["ttft_s"] <= r["latency_s"] and r["energy_j"] > 0 for r in records)
+    assert {r["mode"] for r in runs["mode:prefix_cache"]} == {"prefix_cache"}
+    best = report.oracle({"fp16": runs["mode:fp16"], "prefix_cache": runs["mode:prefix_cache"]},
+                         allowed=["fp16", "prefix_cache"])
+    for r in best:
+        assert r["latency_s"] == min(runs[k][r["slot"]]["latency_s"] for k in ("mode:fp16", "mode:prefix_cache"))
+    assert report.oracle({"fp16": runs["mode:fp16"]}, allowed=["prefix_cache"]) == []
+    assert report.regret(best, best) == [0.0] * 4 and min(report.regret(runs["paper"], best)) > -60
+    runs["oracle"] = best
+    rows = {r["run"]: r for r in report.compare(runs)}
+    assert rows["mode:fp16"]["speedup_mean"] == 1.0 and rows["oracle"]["speedup_mean"] >= 1.0
+    assert rows["paper"]["energy_source"] == "estimated" and rows["paper"]["j_per_token"] > 0
+    share = report.oracle_gain_share(runs, "oracle")
+    assert share is None or share == pytest.approx(1.0)
+    table = report.markdown(report.compare(runs), {"paper": "all modes pass"})
+    assert table.count("\n") == 5 and "| paper |" in table and "all modes pass" in table
+    pngs = report.plots(tmp_path, "t", runs, "paper", best)
+    assert {p.name for p in pngs} == {"t_latency_cdf.png", "t_j_per_token.png", "t_mode_mix.png", "t_regret.png"}
+    assert all(p.stat().st_size > 1000 for p in pngs)
