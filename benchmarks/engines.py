@@ -7,6 +7,7 @@ engine.
 
     python benchmarks/engines.py                      # demo model, CPU
     python benchmarks/engines.py --repeats 1 -- --max-model-len 2048
+    python benchmarks/engines.py --rerun vllm -- --max-model-len 2048   # keep today's transformers results
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ def main() -> int:
     server_extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     model = own[own.index("--model") + 1] if "--model" in own else "demo"
+    # --rerun vllm: measure only that engine again, reading the other's results of today from disk
+    rerun = own[own.index("--rerun") + 1].split(",") if "--rerun" in own else ["transformers", "vllm"]
+    if "--rerun" in own:
+        i = own.index("--rerun")
+        own = own[:i] + own[i + 2:]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     results = {}
     for engine in ("transformers", "vllm"):
         tag = f"engine-{engine}"
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes.py"), *own, "--tag", tag,
-                        "--no-perplexity", "--no-decision-loop", "--", "--engine", engine, *server_extra], check=True)
+        if engine in rerun:
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes.py"), *own, "--tag", tag,
+                            "--no-perplexity", "--no-decision-loop", "--", "--engine", engine, *server_extra],
+                           check=True)
         results[engine] = json.loads((OUT / f"{stamp}_modes_{Path(model).name}_{tag}.json").read_text())
     hf = {r["mode"]: r for r in results["transformers"]["modes"]}
     vl = {r["mode"]: r for r in results["vllm"]["modes"]}

@@ -71,18 +71,21 @@ def engine_args(pool, spec, kv_bytes: int, max_num_seqs: int) -> dict[str, Any]:
             model = local_or_hub(pool.preset.int8_vllm, f"INT8 (w8a8) weights of {pool.preset.name}")
         else:
             raise VariantUnavailable(f"model {pool.preset.name} has no w8a8 checkpoint for vLLM on a GPU")
+    draft = pool._draft_variant(spec) if spec.speculative is not None else None
+    # the pool's dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU GPTQ
+    # and INT8 kernels take bf16/fp16 activations only, and a draft runs in its target's dtype
+    low_precision = cpu and (spec.weights != "fp16" or draft == "gptq")
     args: dict[str, Any] = dict(
         model=model, tokenizer=pool.weights.ref("fp16"), quantization=quantization,
-        # the pool's dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU GPTQ
-        # and INT8 kernels take bf16/fp16 activations only
-        dtype="bfloat16" if cpu and spec.weights != "fp16" else str(pool.dtype).removeprefix("torch."),
-        max_model_len=pool.context_length, kv_cache_memory_bytes=max(kv_bytes, MIN_KV_BYTES),
+        dtype="bfloat16" if low_precision else str(pool.dtype).removeprefix("torch."),
+        # +25 %: vLLM rounds every sequence up to whole KV blocks (128 tokens on CPU) and speculative
+        # engines reserve lookahead slots; the exact plan figure leaves one max-length request short
+        max_model_len=pool.context_length, kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
         max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=not pool.compiled_decode,
         disable_log_stats=True, seed=0,
     )
     if spec.speculative is not None:
         k = spec.speculative.num_tokens
-        draft = pool._draft_variant(spec)
         if draft is None:
             args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}
