@@ -65,8 +65,7 @@ class Bench:
     def __init__(self, url: str, source: TextSource, args) -> None:
         self.url, self.source, self.args = url, source, args
         self.run_index = 0
-        shapes = [s.scaled(args.scale) for s in REFERENCE]
-        self.shapes = shapes
+        self.shapes = [s.scaled(args.scale) for s in REFERENCE]
 
     def next_trace(self):
         self.run_index += 1
@@ -234,7 +233,7 @@ def sweep_markdown(sweep: dict) -> str:
     names = list(next(iter(sweep.values())))
     lines = ["| variation | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
     for label, per in sweep.items():
-        lines.append(f"| {label} | " + " | ".join(report._f(per[n].get("mean_latency_s")) for n in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(report.number(per[n].get("mean_latency_s")) for n in names) + " |")
     return "\n".join(lines)
 
 

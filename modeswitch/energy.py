@@ -172,6 +172,12 @@ class EnergyAccountant:
             self._advance()
             self._open.pop(token, None)
 
+    def begin_work(self, cost: StepCost, work: Iterable[tuple[EnergySink, int, int]]) -> int:
+        """A step starts; ``work`` is (request, new tokens, KV tokens after the step) for each request in it,
+        weighted by ``cost`` with the batch size the step really has."""
+        work = list(work)
+        return self.begin([Share(sink, cost.seconds(new, kv, len(work))) for sink, new, kv in work])
+
     @contextmanager
     def step(self, shares: Iterable[Share]) -> Iterator[None]:
         token = self.begin(shares)

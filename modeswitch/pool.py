@@ -256,8 +256,7 @@ class ModePool:
             if "draft" in variants:
                 kv += ctx * draft_shape.kv_bytes_per_token
                 detail += " + draft KV"
-            held_in = self.runner_key(spec) if self.engine_kind == "vllm" else spec.weights
-            plan.footprints.append(Footprint(spec.name, held_in, kv, detail))
+            plan.footprints.append(Footprint(spec.name, self.weights_holder(spec), kv, detail))
         self.context_length = ctx
         self.shape = shape
         progress(f"memory plan ({self.device}):\n{plan.describe()}")
@@ -315,13 +314,17 @@ class ModePool:
             return spec.weights
         return f"{spec.weights}+{self._draft_variant(spec) or 'ngram'}-draft"
 
+    def weights_holder(self, spec: ModeSpec) -> str:
+        """The plan's name for the weights a mode runs on: its variant (transformers shares one copy per
+        variant) or its vLLM engine (each holds its own)."""
+        return self.runner_key(spec) if self.engine_kind == "vllm" else spec.weights
+
     def _build(self, state: ModeState, progress: Callable[[str], None]) -> None:
         if self.engine_kind == "vllm":
             self._build_vllm(state, progress)
         else:
             self._build_transformers(state, progress)
-        cost_of = self.runner_key(state.spec) if self.engine_kind == "vllm" else state.spec.weights
-        state.engine.attach_energy(self.energy, self.step_cost(cost_of))
+        state.engine.attach_energy(self.energy, self.step_cost(self.weights_holder(state.spec)))
         state.status, state.reason = "available", ""
 
     def _build_vllm(self, state: ModeState, progress: Callable[[str], None]) -> None:
@@ -337,10 +340,8 @@ class ModePool:
             progress(f"starting vLLM engine {key} ({len(self._runners) + 1} of {len(self.plan.users)}) "
                      f"for {', '.join(u.name for u in users)}")
             t0 = time.perf_counter()
-            children = {p.pid for p in psutil.Process().children(recursive=True)}
             runner = self._runners[key] = VllmRunner(key, args)
             self.load_seconds[f"vllm:{key}"] = time.perf_counter() - t0
-            runner.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in children]
         state.engine = VllmEngine(spec.name, runner, spec.max_queue, spec.prefix_cache, spec.speculative is not None)
         state.details["vllm_engine"] = key
         if spec.speculative is not None:
@@ -441,17 +442,9 @@ class ModePool:
 
     def engines(self) -> dict[str, Any]:
         """vLLM only: each engine's modes, start time and resident memory (its engine-core processes)."""
-        out = {}
-        for key, runner in self._runners.items():
-            rss = 0
-            for pid in getattr(runner, "pids", []):
-                try:
-                    rss += psutil.Process(pid).memory_info().rss
-                except psutil.Error:
-                    pass
-            out[key] = {"modes": self.plan.users.get(key, []), "startup_s": round(self.load_seconds.get(f"vllm:{key}", 0), 2),
-                        "rss_bytes": rss, "steps": runner.stats.steps, "max_running": runner.stats.max_running}
-        return out
+        return {key: {"modes": self.plan.users.get(key, []), "startup_s": round(self.load_seconds[f"vllm:{key}"], 2),
+                      "rss_bytes": runner.rss(), "steps": runner.stats.steps, "max_running": runner.stats.max_running}
+                for key, runner in self._runners.items()}
 
     def close(self) -> None:
         for state in self.modes.values():

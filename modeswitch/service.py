@@ -101,6 +101,7 @@ class Generation:
         self._excluded: frozenset[str] = frozenset()
         self._recorded = False
         self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
+        self.request: GenRequest | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         self._submit()
 
@@ -124,7 +125,7 @@ class Generation:
                 self.attempts.append(f"{decision.mode}: {exc}")
                 self._excluded = self._excluded | {decision.mode}
                 continue
-            if getattr(self, "request", None) is not None:
+            if self.request is not None:
                 self._spent_j += self.request.energy_j
             self.decision, self.request = decision, req
             self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)

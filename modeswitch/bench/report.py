@@ -90,13 +90,14 @@ def markdown(rows: list[dict[str, Any]], quality: dict[str, str] | None = None) 
         mix = ", ".join(f"{m} {n}" for m, n in sorted(r.get("mode_mix", {}).items(), key=lambda kv: -kv[1]))
         speed = (f"{r['speedup_mean']:.2f}x / {r['speedup_p99']:.2f}x" if "speedup_mean" in r else "-")
         lines.append(
-            f"| {r['run']} | {_f(r.get('mean_latency_s'))} | {_f(r.get('p99_latency_s'))} | "
-            f"{_f(r.get('mean_ttft_s'))} | {speed} | {_f(r.get('j_per_token'))} | "
-            f"{_f(r.get('energy_ratio'), 'x')} | {r['errors']} | {mix} | {(quality or {}).get(r['run'], '-')} |")
+            f"| {r['run']} | {number(r.get('mean_latency_s'))} | {number(r.get('p99_latency_s'))} | "
+            f"{number(r.get('mean_ttft_s'))} | {speed} | {number(r.get('j_per_token'))} | "
+            f"{number(r.get('energy_ratio'), 'x')} | {r['errors']} | {mix} | {(quality or {}).get(r['run'], '-')} |")
     return "\n".join(lines)
 
 
-def _f(value, unit: str = "") -> str:
+def number(value, unit: str = "") -> str:
+    """Three significant digits, or "-" for a missing value (table cells)."""
     return "-" if value is None else f"{value:.3g}{unit}"
 
 

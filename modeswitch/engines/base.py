@@ -117,12 +117,7 @@ class Engine(ABC):
     def _begin_step(self, work: Iterable[tuple[GenRequest, int, int]]) -> int | None:
         """A forward step starts; ``work`` is (request, new tokens, KV tokens after the step) per request.
         Returns the token :meth:`_end_step` takes (None when energy is not metered)."""
-        if self.energy is None:
-            return None
-        from ..energy import Share
-
-        work = list(work)
-        return self.energy.begin([Share(req, self.cost.seconds(new, kv, len(work))) for req, new, kv in work])
+        return None if self.energy is None else self.energy.begin_work(self.cost, work)
 
     def _end_step(self, token: int | None) -> None:
         if token is not None:

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import psutil
+
 from .base import Engine, GenRequest
 
 if TYPE_CHECKING:
@@ -119,7 +121,10 @@ class VllmRunner:
 
         self.name = name
         self.engine_args = engine_args
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+        #: the engine-core processes this engine started (where its weights and KV live)
+        self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
@@ -128,6 +133,16 @@ class VllmRunner:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name=f"vllm-{name}", daemon=True)
         self._thread.start()
+
+    def rss(self) -> int:
+        """Resident bytes of this engine's engine-core processes."""
+        total = 0
+        for pid in self.pids:
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return total
 
     def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
         self._inbox.put((req, front, params))
@@ -165,17 +180,9 @@ class VllmRunner:
         """Meter the coming step: each running request's share by the roofline cost of its new tokens."""
         if self.energy is None or not self._live:
             return None
-        from ..energy import Share
-
-        n = len(self._live)
-        shares = []
-        for live in self._live.values():
-            if live.generated == 0:
-                new, kv = live.prompt_tokens, live.prompt_tokens
-            else:
-                new, kv = 1, live.prompt_tokens + live.generated
-            shares.append(Share(live.req, self.cost.seconds(new, kv, n)))
-        return self.energy.begin(shares)
+        return self.energy.begin_work(self.cost, [
+            (live.req, live.prompt_tokens, live.prompt_tokens) if live.generated == 0  # prefill
+            else (live.req, 1, live.prompt_tokens + live.generated) for live in self._live.values()])
 
     def _loop(self) -> None:
         while True:
