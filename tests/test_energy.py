@@ -140,6 +140,21 @@ def test_energy_gate_filters_modes_over_their_cap():
     assert decision.mode == "fp16" and "(rule 'long')" in decision.filtered["int8"]
 
 
+def test_energy_gate_matches_the_rules_once_per_request(monkeypatch):
+    """Three modes with figures to judge, one request: the policy's rules are walked by the policy's own
+    choice and once by the gate, not once per mode."""
+    controller = gated_controller("rules: []\ndefault: [gptq, int8, fp16]\nenergy: {max_j_per_token: 2.0}\n")
+    for name in ("gptq", "int8", "fp16"):
+        controller.pool.modes[name].record_energy(1.0, 10)
+    calls = []
+    policy_type = type(controller.policy)
+    original = policy_type.match
+    monkeypatch.setattr(policy_type, "match", lambda self, f: calls.append(f) or original(self, f))
+    controller.decide(feats())
+    controller.decide(feats())
+    assert len(calls) == 4 and calls[0] is calls[1] and calls[2] is not calls[0]
+
+
 @pytest.mark.parametrize("text, fragment", [
     ("rules: []\ndefault: fp16\nenergy: {max_j_per_token: -1}\n", "must be positive"),
     ("rules: []\ndefault: fp16\nenergy: {modes: {fp17: 1}}\n", "unknown mode"),

@@ -97,18 +97,28 @@ class QualityGate:
 class EnergyGate:
     """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
     the tightest cap that applies: the policy's, the mode's own, the matching rule's. A mode that has not
-    finished a request yet has no figure and passes: it cannot be judged before it has been tried."""
+    finished a request yet has no figure and passes: it cannot be judged before it has been tried.
+    The matching rule is found once per request, not once per mode (the controller checks every mode
+    with the same features object)."""
 
     name = "energy"
 
     def __init__(self, controller) -> None:
         self.controller = controller
+        self._last_match: tuple = (None, None, None)  # (policy, features, rule); swapped whole, so thread-safe
+
+    def _rule(self, policy, features: Features):
+        last_policy, last_features, rule = self._last_match
+        if last_policy is not policy or last_features is not features:
+            rule = policy.match(features)
+            self._last_match = (policy, features, rule)
+        return rule
 
     def check(self, mode: ModeState, features: Features) -> str | None:
         if mode.j_per_token is None:
             return None
         policy = self.controller.policy
-        cap = policy.energy.cap(mode.name, policy.match(features))
+        cap = policy.energy.cap(mode.name, self._rule(policy, features))
         if cap is not None and mode.j_per_token > cap[0]:
             return f"energy: {mode.j_per_token:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})"
         return None
