@@ -4,7 +4,9 @@ Starts ``serve.py`` (extra server flags after ``--``) and sends the same mixed t
 six workloads (short/short, short/long, long/short, long/long, shared-prefix chat, memory pressure; token
 counts times --scale) to:
 
-  1. every static mode, pinned (the quality gate off, so every mode is measured);
+  1. every static mode, pinned (the quality gate off, so every mode is measured), and fp16 once more
+     ("fp16 again"): the per-request best of two runs of one mode is what an oracle gains from run-to-run
+     noise alone (a lower bound: the oracle takes the best of several modes), a gain no router can get;
   2. the rule policy (policies/paper.yaml) and the learned policy (policies/learned.yaml, online from
      scratch, --learned-passes times over the trace), with the quality gate report loaded;
   3. the learned policy again, warm-started from the static runs' records (one pass);
@@ -53,6 +55,7 @@ def parse_args():
     p.add_argument("--modes", default=",".join(REFERENCE_MODES), help="static modes to pin (comma-separated)")
     p.add_argument("--gate-report", default=None, help="quality gate report (default evals/reports/<model>.json)")
     p.add_argument("--sweep", action="store_true", help="also run the prefix-reuse sweeps")
+    p.add_argument("--no-noise-run", action="store_true", help="skip the second fp16 run (the noise floor)")
     p.add_argument("--sweep-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="")
@@ -105,6 +108,9 @@ def main() -> int:
         for mode in static_modes:
             runs[f"mode:{mode}"] = bench.send(f"mode:{mode}", bench.next_trace(), mode)
             tqdm.write(_line(f"mode:{mode}", runs[f"mode:{mode}"]))
+        if "fp16" in static_modes and not args.no_noise_run:
+            runs["fp16 again"] = bench.send("fp16 again", bench.next_trace(), "fp16")
+            tqdm.write(_line("fp16 again", runs["fp16 again"]))
 
         gate_path = Path(args.gate_report) if args.gate_report else ROOT / "evals" / "reports" / f"{Path(args.model).name}.json"
         verdicts = {m: "pass" for m in cards}
@@ -145,6 +151,8 @@ def main() -> int:
         failing = sorted(m for m in used if verdicts.get(m) not in ("pass", "not in report"))
         quality[name] = f"uses {', '.join(failing)}: fails the gate" if failing else "all modes pass"
     n = args.requests
+    # per slot, the better of two fp16 runs: the oracle's "gain" from noise alone
+    noise = report.oracle({"a": runs["mode:fp16"], "b": runs["fp16 again"]}, ["a", "b"]) if "fp16 again" in runs else []
     last_pass = {"learned (last pass)": runs["learned"][-n:]}
     statics = [r for r in rows if r["run"].startswith("mode:") and r["run"][5:] in allowed and "mean_latency_s" in r]
     best_static = min(statics, key=lambda r: r["mean_latency_s"]) if statics else None
@@ -155,6 +163,8 @@ def main() -> int:
         "learned_warm_mean_s": report.summarize(runs["learned-warm"]).get("mean_latency_s"),
         "best_static_mean_s": best_static["mean_latency_s"] if best_static else None,
         "oracle_mean_s": report.summarize(best).get("mean_latency_s"),
+        "noise_oracle_mean_s": report.summarize(noise).get("mean_latency_s"),
+        "noise_share_of_oracle_gain": report.oracle_gain_share({**runs, "noise": noise}, "noise"),
         "oracle_gain_share": {k: report.oracle_gain_share({**runs, **last_pass}, k)
                               for k in ("learned", "learned (last pass)", "learned-warm", "paper")},
         "decision_us_p50": {k: report.summarize(runs[k]).get("decision_us_p50")
@@ -175,7 +185,9 @@ def main() -> int:
           f"({', '.join(f'{s.name} {s.prompt_tokens}->{s.max_tokens}' for s in bench.shapes)}), "
           f"closed loop, concurrency {args.concurrency}. The learned policy ran the trace {args.learned_passes} "
           f"times from scratch (its row covers all {len(runs['learned'])} requests). Energy: "
-          f"{rows[0].get('energy_source', '-')}.", "", report.markdown(rows, quality), "",
+          f"{rows[0].get('energy_source', '-')}. \"fp16 again\" is fp16 pinned a second time: the per-request "
+          f"best of the two fp16 runs (noise_oracle_mean_s below) shows how much of the oracle's gain run-to-run "
+          f"noise alone provides.", "", report.markdown(rows, quality), "",
           "## Targets", "", "```", json.dumps(targets, indent=1), "```", ""]
     if sweep:
         md += ["## Prefix-reuse sweeps (mean latency s)", "", sweep_markdown(sweep), ""]
