@@ -12,6 +12,7 @@ engine.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -24,14 +25,15 @@ OUT = ROOT / "benchmarks" / "results"
 
 def main() -> int:
     argv = sys.argv[1:]
-    server_extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
-    model = own[own.index("--model") + 1] if "--model" in own else "demo"
-    # --rerun vllm: measure only that engine again, reading the other's results of today from disk
-    rerun = own[own.index("--rerun") + 1].split(",") if "--rerun" in own else ["transformers", "vllm"]
-    if "--rerun" in own:
-        i = own.index("--rerun")
-        own = own[:i] + own[i + 2:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    server_extra = argv[split + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--rerun", default="transformers,vllm",
+                   help="engines to measure; the others' results of today are read from disk")
+    args, modes_flags = p.parse_known_args(argv[:split])  # the rest goes to benchmarks/modes.py
+    model, rerun = args.model, args.rerun.split(",")
+    own = ["--model", model, *modes_flags]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     results = {}
     for engine in ("transformers", "vllm"):

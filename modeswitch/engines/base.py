@@ -84,6 +84,13 @@ class GenRequest:
         self.cancelled.set()
 
 
+def spec_tokens_per_step(counters: dict[str, int]) -> dict[str, float]:
+    """Tokens a speculative engine produced per target step (both engines report it the same way);
+    empty until it has taken a speculative step."""
+    steps = counters.get("spec_steps")
+    return {"spec_tokens_per_step": round(counters["spec_tokens"] / steps, 3)} if steps else {}
+
+
 class Engine(ABC):
     """One mode's worker: a bounded queue in front of a model that generates token ids.
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, S
 from transformers.generation.streamers import BaseStreamer
 
 from ..models import WeightsNotFound
-from .base import Engine, GenRequest
+from .base import Engine, GenRequest, spec_tokens_per_step
 from .prefix_kv import PrefixKVStore
 
 log = logging.getLogger(__name__)
@@ -266,9 +266,7 @@ class GenerateEngine(Engine):
         stats: dict[str, Any] = dict(self.counters)
         if self.prefix_store is not None:
             stats.update(self.prefix_store.stats())
-        if self.speculative and self.counters["spec_steps"]:
-            stats["spec_tokens_per_step"] = round(self.counters["spec_tokens"] / self.counters["spec_steps"], 3)
-        return stats
+        return {**stats, **spec_tokens_per_step(self.counters)}
 
     def close(self) -> None:
         self._queue.put(None)

@@ -20,12 +20,12 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .base import Engine, GenRequest
+from .base import Engine, GenRequest, spec_tokens_per_step
 
 if TYPE_CHECKING:
     from ..energy import EnergyAccountant, StepCost
@@ -109,7 +109,6 @@ class _Live:
 class RunnerStats:
     steps: int = 0
     max_running: int = 0
-    per_front: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class VllmRunner:
@@ -294,12 +293,8 @@ class VllmEngine(Engine):
         live.req.emit("done", **info)
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {**self.counters, "vllm_engine": self.runner.name,
-                                 "engine_steps": self.runner.stats.steps,
-                                 "engine_max_running": self.runner.stats.max_running}
-        if self.speculative and self.counters["spec_steps"]:
-            stats["spec_tokens_per_step"] = round(self.counters["spec_tokens"] / self.counters["spec_steps"], 3)
-        return stats
+        return {**self.counters, "vllm_engine": self.runner.name, "engine_steps": self.runner.stats.steps,
+                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters)}
 
     def close(self) -> None:
         self.runner.close()  # idempotent: the first mode to close stops the shared runner
