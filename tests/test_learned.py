@@ -10,7 +10,7 @@ import random
 import pytest
 import requests
 
-from modeswitch.controller.learned import LearnedPolicy, OnlineLinear
+from modeswitch.controller.learned import LearnedPolicy, OnlineLinear, tpot_x, ttft_x
 from modeswitch.launcher import start_server
 from modeswitch.yamlconf import ConfigError
 from test_rules import feats, policy_from
@@ -23,6 +23,19 @@ def test_online_least_squares_recovers_a_linear_law():
         x = [1.0, rng.uniform(0, 2), rng.uniform(0, 5)]
         model.update(x, 0.2 + 1.5 * x[1] + 0.1 * x[2] + rng.gauss(0, 0.01))
     assert model.predict([1.0, 1.0, 2.0]) == pytest.approx(0.2 + 1.5 + 0.2, abs=0.02)
+
+
+def test_latency_written_out_equals_the_models_dot_products():
+    rng = random.Random(2)
+    policy = learned("explore: {min_samples: 0}\n")
+    model = policy.models["prefix_cache"]
+    for _ in range(30):
+        f = feats(prompt_tokens=rng.randint(1, 2000), max_tokens=rng.randint(1, 300), queue_depth=rng.randint(0, 9),
+                  prefix_match_by_mode={"prefix_cache": rng.randint(0, 500)}, in_flight_by_mode={"prefix_cache": rng.randint(0, 4)})
+        teach(policy, "prefix_cache", f, rng.uniform(0.01, 0.2), ttft=rng.uniform(0.05, 3))
+        ttft = max(model.ttft.predict(ttft_x("prefix_cache", f)), 0.0)
+        tpot = max(model.tpot.predict(tpot_x("prefix_cache", f)), 0.0)
+        assert model.latency("prefix_cache", f) == pytest.approx(ttft + (f.max_tokens - 1) * tpot, rel=1e-9, abs=1e-12)
 
 
 def learned(text: str = "", **kw) -> LearnedPolicy:

@@ -114,9 +114,17 @@ class ModeModel:
         self.energy = OnlineLinear(5, self.forgetting)
 
     def latency(self, mode: str, f: Features) -> float:
-        """Seconds predicted for a request with features ``f``: first token, then ``max_tokens - 1`` more."""
-        ttft = max(self.ttft.predict(ttft_x(mode, f)), 0.0)
-        return ttft + max(f.max_tokens - 1, 0) * max(self.tpot.predict(tpot_x(mode, f)), 0.0)
+        """Seconds predicted for a request with features ``f``: first token, then ``max_tokens - 1`` more.
+
+        The dot products with :func:`ttft_x` and :func:`tpot_x` written out: this runs for every mode on
+        every request, and building the feature lists would take most of the decision's time (a test keeps
+        the two forms equal)."""
+        u = (f.prompt_tokens - f.prefix_match_by_mode.get(mode, 0)) / 1000.0
+        q, d = f.in_flight_by_mode.get(mode, 0), f.queue_depth
+        a, b = self.ttft._w, self.tpot._w
+        ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
+        tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
+        return max(ttft, 0.0) + max(f.max_tokens - 1, 0) * max(tpot, 0.0)
 
     def energy_j(self, mode: str, f: Features) -> float:
         return max(self.energy.predict(energy_x(mode, f)), 0.0)
