@@ -25,6 +25,14 @@ def test_online_least_squares_recovers_a_linear_law():
     assert model.predict([1.0, 1.0, 2.0]) == pytest.approx(0.2 + 1.5 + 0.2, abs=0.02)
 
 
+def learned(text: str = "", **kw) -> LearnedPolicy:
+    return policy_from("type: learned\nmodes: [prefix_cache, fp16, gptq]\n" + text, **kw)
+
+
+def teach(policy: LearnedPolicy, mode: str, f, seconds_per_token: float, ttft: float = 0.1) -> None:
+    policy.observe(mode, f, ttft, seconds_per_token, energy_j=65 * (ttft + f.max_tokens * seconds_per_token))
+
+
 def test_latency_written_out_equals_the_models_dot_products():
     rng = random.Random(2)
     policy = learned("explore: {min_samples: 0}\n")
@@ -36,14 +44,6 @@ def test_latency_written_out_equals_the_models_dot_products():
         ttft = max(model.ttft.predict(ttft_x("prefix_cache", f)), 0.0)
         tpot = max(model.tpot.predict(tpot_x("prefix_cache", f)), 0.0)
         assert model.latency("prefix_cache", f) == pytest.approx(ttft + (f.max_tokens - 1) * tpot, rel=1e-9, abs=1e-12)
-
-
-def learned(text: str = "", **kw) -> LearnedPolicy:
-    return policy_from("type: learned\nmodes: [prefix_cache, fp16, gptq]\n" + text, **kw)
-
-
-def teach(policy: LearnedPolicy, mode: str, f, seconds_per_token: float, ttft: float = 0.1) -> None:
-    policy.observe(mode, f, ttft, seconds_per_token, energy_j=65 * (ttft + f.max_tokens * seconds_per_token))
 
 
 def test_learns_which_mode_is_fast_for_which_request_and_explores_only_near_the_best():

@@ -119,7 +119,7 @@ class ModeModel:
         The dot products with :func:`ttft_x` and :func:`tpot_x` written out: this runs for every mode on
         every request, and building the feature lists would take most of the decision's time (a test keeps
         the two forms equal)."""
-        u = (f.prompt_tokens - f.prefix_match_by_mode.get(mode, 0)) / 1000.0
+        u = _prefill_tokens(mode, f)
         q, d = f.in_flight_by_mode.get(mode, 0), f.queue_depth
         a, b = self.ttft._w, self.tpot._w
         ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
