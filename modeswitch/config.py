@@ -1,0 +1,67 @@
+"""The server's configuration as data: one typed object built from the command line (or by a caller).
+
+Everything that assembles a server — ``serve.py``, the lm-eval adapter, the benchmarks, the tests — builds a
+:class:`ServerConfig` and hands it to the composition root; nothing else reads ``argparse`` namespaces or
+keyword soups. The parts are split by who reads them: :class:`LoadConfig` is what the mode registry needs to
+plan and load modes, :class:`HttpConfig` what the HTTP layer needs, and the rest names the model, its modes,
+the policy and the quality gate report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINES = ("transformers", "vllm", "auto")
+DECODE_PATHS = ("auto", "compiled", "eager")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: ``gate_report`` value that turns the quality gate off.
+NO_GATE = "none"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the modes are planned and loaded (read by the mode registry and its backends)."""
+
+    engine: str = "transformers"
+    device: str = "auto"
+    dtype: str = "auto"
+    #: bytes all modes may use; None: free device memory minus a headroom
+    memory_budget: int | None = None
+    max_model_len: int = 8192
+    decode: str = "auto"
+    #: power assumed by the energy estimate where no energy counter exists (None: the device's default)
+    power_watts: float | None = None
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """How the HTTP server listens and whom it serves."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    threads: int = 32
+    api_key: str | None = None
+    max_inflight_per_client: int = 16
+    drain_timeout: float = 60.0
+    #: serve the admin routes without an API key on a non-loopback bind (off: they answer 403 there)
+    unauthenticated_admin: bool = False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One served model: its weights, the modes to load, the policy that routes, the gate that filters."""
+
+    model: str = "demo"
+    #: GPTQ checkpoint overriding the preset's (hub id or path)
+    gptq: str | None = None
+    #: directories of mode files; empty: the modes shipped with the package
+    modes_dirs: tuple[Path, ...] = ()
+    #: the subset of defined modes to load; empty: all
+    modes: tuple[str, ...] = ()
+    #: policy file; None: the shipped paper policy
+    policy: Path | None = None
+    #: quality gate report; None: the shipped report for this model if there is one; ``NO_GATE``: off
+    gate_report: str | None = None
+    load: LoadConfig = field(default_factory=LoadConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
