@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import gzip
 from functools import lru_cache
-from pathlib import Path
+from .resources import CORPUS
 
-CORPUS = Path(__file__).resolve().parent / "data" / "jargon_prose.txt.gz"
 SOURCE = "The Jargon File 4.4.7 (public domain), prose paragraphs; see scripts/make_corpus.py"
 
 

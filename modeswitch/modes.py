@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .resources import MODES_DIR
 from .yamlconf import ConfigError, Section, load_yaml
 
 WEIGHTS = ("fp16", "gptq", "int8")
@@ -16,7 +17,7 @@ DECODING = ("standard", "speculative")
 BATCHING = ("none", "continuous")
 ENGINES = ("transformers", "any")
 
-DEFAULT_MODES_DIR = Path(__file__).resolve().parent.parent / "modes"
+DEFAULT_MODES_DIR = MODES_DIR
 
 
 @dataclass(frozen=True)

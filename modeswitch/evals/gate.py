@@ -20,21 +20,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..modes import DEFAULT_MODES_DIR, load_modes
-from .run import ROOT, TASKS, evaluate
+from ..resources import REPORTS_DIR
+from .run import TASKS, evaluate, task_manager
 
-REPORTS_DIR = ROOT / "evals" / "reports"
 SCORING = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
 DEFAULT_TOLERANCE = {"max_drop_pp": 1.0, "max_ppl_increase_pct": 10.0}
 
 
 def task_kinds(tasks) -> dict[str, dict]:
     """Per task: output type, primary metric key (``metric,filter``) and whether higher is better."""
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import get_task_dict
 
-    from .run import TASKS_DIR, _in_repo_root
-
-    with _in_repo_root():
-        tdict = get_task_dict(list(tasks), TaskManager(include_path=str(TASKS_DIR)))
+    tdict = get_task_dict(list(tasks), task_manager())
     kinds = {}
     for name, task in tdict.items():
         cfg = task.config

@@ -1,35 +1,26 @@
-"""Run the project's offline lm-eval tasks (evals/tasks) on a model or a mode."""
+"""Run the project's offline lm-eval tasks (shipped in the package, see :mod:`modeswitch.resources`)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from pathlib import Path
+from ..resources import EVAL_TASKS_DIR
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-TASKS_DIR = ROOT / "evals" / "tasks"
+TASKS_DIR = EVAL_TASKS_DIR
 TASKS = ("jargon_cloze", "jargon_ppl", "jargon_copy")
 
 
-@contextlib.contextmanager
-def _in_repo_root():
-    """Task YAML names its data files relative to the repository root."""
-    previous = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
+def task_manager():
+    """lm-eval's task index over the shipped tasks (their data loads relative to the task files, not the
+    working directory)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR))
 
 
 def evaluate(model, tasks=TASKS, limit: int | None = None, model_args: str | dict | None = None) -> dict:
     """``lm_eval.simple_evaluate`` on the project's tasks; ``model`` is an LM instance or a registry name."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from . import adapter  # noqa: F401  (registers the 'modeswitch' model)
 
-    with _in_repo_root():
-        return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
-                                       task_manager=TaskManager(include_path=str(TASKS_DIR)),
-                                       batch_size=1, log_samples=False)
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
+                                   task_manager=task_manager(), batch_size=1, log_samples=False)
