@@ -1,9 +1,9 @@
-"""Command line: build the pool, the controller and the app, then serve them with waitress (threaded WSGI)."""
+"""Command line: parse flags into a ServerConfig, assemble the server (modeswitch.compose), serve it with
+waitress (threaded WSGI), handle signals."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -12,19 +12,13 @@ import threading
 import time
 from pathlib import Path
 
-from .admission import Admission
-from .controller.decide import Controller
-from .controller.rules import load_policy
+from .compose import build_app
+from .config import DECODE_PATHS, DTYPES, ENGINES, HttpConfig, LoadConfig, ServerConfig
 from .memory import MemoryBudgetExceeded, parse_bytes
-from .models import PRESETS, WeightsNotFound, resolve_preset
-from .modes import DEFAULT_MODES_DIR, load_modes
-from .pool import ModePool
-from .service import Service
+from .models import PRESETS, WeightsNotFound
 from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
-DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "paper.yaml"
-REPORTS_DIR = Path(__file__).resolve().parent.parent / "evals" / "reports"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,27 +28,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"preset ({', '.join(PRESETS)}) or any Llama-family causal LM as hub id or local path")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default=str(DEFAULT_POLICY), help="rule policy YAML (default: policies/paper.yaml)")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "auto"],
+    p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/paper.yaml)")
+    p.add_argument("--engine", default="transformers", choices=ENGINES,
                    help="transformers (portable, every feature), vllm (vLLM engines, modes mapped onto the fewest), "
                         "or auto (vLLM where installed)")
     p.add_argument("--modes-dir", action="append", default=None,
-                   help="directory of mode definitions (repeatable; default: modes/). "
+                   help="directory of mode definitions (repeatable; default: the shipped modes/). "
                         "modes/extra holds the speculative variants")
     p.add_argument("--modes", default=None, help="comma-separated subset of modes to load (default: all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="dtype of the reference weights (auto: bf16/fp16 on GPU, fp32 on CPU)")
     p.add_argument("--memory-budget", default=None,
                    help="bytes all modes may use, e.g. 12GiB (default: free device memory minus 10%%)")
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="longest prompt + output served (caps the model's context; sizes KV reservations)")
-    p.add_argument("--decode", default="auto", choices=["auto", "compiled", "eager"],
+    p.add_argument("--decode", default="auto", choices=DECODE_PATHS,
                    help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--gate-report", default=None,
-                   help="quality gate report the router enforces (default: evals/reports/<model>.json if it "
-                        "exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
+                   help="quality gate report the router enforces (default: the shipped evals/reports/<model>.json "
+                        "if it exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
     p.add_argument("--power-watts", type=float, default=None,
                    help="power assumed by the energy estimate where NVML has no energy counter (CPUs, laptops); "
                         "default 65 W on a CPU. Estimates are labelled 'estimated' everywhere")
@@ -66,38 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: no limit)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to let in-flight requests finish before exiting")
+    p.add_argument("--unauthenticated-admin", action="store_true",
+                   help="serve the admin routes without --api-key on a non-loopback --host (closed otherwise)")
     return p
 
 
-def build_service(args: argparse.Namespace, progress=log.info) -> Service:
-    """Everything but the HTTP server; raises WeightsNotFound / ConfigError with a clear message."""
-    modes = load_modes(*[Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])])
-    defined = [m.name for m in modes]
-    if args.modes:
-        wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
-        unknown = sorted(set(wanted) - {m.name for m in modes})
-        if unknown:
-            raise ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; defined: {', '.join(m.name for m in modes)}")
-        modes = [m for m in modes if m.name in wanted]
-    policy = load_policy(args.policy, defined)
-    preset = resolve_preset(args.model)
-    if args.gptq:
-        preset = dataclasses.replace(preset, gptq=args.gptq)
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The typed configuration of parsed flags; raises ConfigError for values argparse cannot check."""
     try:
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
-    pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
-                    max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts,
-                    engine=args.engine)
-    pool.load(progress)
-    progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
-    controller = Controller(pool, policy, defined_modes=defined)
-    report = Path(args.gate_report) if args.gate_report else REPORTS_DIR / f"{Path(args.model).name}.json"
-    if args.gate_report != "none" and (args.gate_report or report.is_file()):
-        controller.load_quality_report(report)
-        progress(f"quality gate: enforcing {report}")
-    return Service(pool, controller, preset.name)
+    load = LoadConfig(engine=args.engine, device=args.device, dtype=args.dtype, memory_budget=budget,
+                      max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts)
+    http = HttpConfig(host=args.host, port=args.port, threads=args.threads, api_key=args.api_key,
+                      max_inflight_per_client=args.max_inflight_per_client, drain_timeout=args.drain_timeout,
+                      unauthenticated_admin=args.unauthenticated_admin)
+    modes = tuple(m.strip() for m in (args.modes or "").split(",") if m.strip())
+    return ServerConfig(model=args.model, gptq=args.gptq, modes_dirs=tuple(Path(d) for d in args.modes_dir or ()),
+                        modes=modes, policy=Path(args.policy) if args.policy else None,
+                        gate_report=args.gate_report, load=load, http=http)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
-        service = build_service(args)
+        assembled = build_app(config_from_args(args))
     except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from waitress import create_server
 
-    from .api.app import create_app
+    http, service, admission = assembled.config.http, assembled.service, assembled.admission
 
     def on_sighup(signum, frame):
         try:
@@ -120,14 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             log.error("SIGHUP: policy not changed: %s", exc)
 
-    admission = Admission(per_client=args.max_inflight_per_client)
-
     def on_sigterm(signum, frame):
         """Stop admitting, let in-flight requests finish (a thread waits), then leave the serving loop."""
-        log.info("SIGTERM: draining %d request(s), up to %.0f s", admission.active, args.drain_timeout)
+        log.info("SIGTERM: draining %d request(s), up to %.0f s", admission.active, http.drain_timeout)
 
         def drain_then_exit():
-            drained = admission.drain(args.drain_timeout)
+            drained = admission.drain(http.drain_timeout)
             log.info("drained" if drained else "drain timeout: exiting with requests in flight")
             signal.raise_signal(signal.SIGUSR1)
 
@@ -139,18 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, on_sighup)
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGUSR1, on_sigusr1)
-    server = create_server(create_app(service, admission, args.api_key), host=args.host, port=args.port,
-                           threads=args.threads, channel_timeout=600)
+    server = create_server(assembled.app, host=http.host, port=http.port, threads=http.threads, channel_timeout=600)
     available = ", ".join(m.name for m in service.pool.available())
     log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
-             time.perf_counter() - started, service.model_name, available, args.host, server.effective_port)
+             time.perf_counter() - started, service.model_name, available, http.host, server.effective_port)
     try:
         server.run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         server.close()
-        service.controller.close()
-        service.pool.close()
+        assembled.close()
     log.info("stopped")
     return 0

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from .schemas import ChatBody, CompletionBody, DetokenizeBody, PolicyReload, TokenizeBody
 
 REF = "#/components/schemas/{model}"
 #: One server-sent event: ``data`` is a JSON chunk (the completion's shape, with deltas) or ``[DONE]``.
@@ -149,11 +149,6 @@ class TokenizerInfo(_Open):
     model_max_length: int
 
 
-class PolicyReload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    path: str | None = None
-
-
 def _schema(model: type[BaseModel], components: dict) -> dict:
     schema = model.model_json_schema(ref_template=REF)
     components.update(schema.pop("$defs", {}))
@@ -183,6 +178,7 @@ def build_spec(auth: bool) -> dict:
                           **_errors(comps, 400, 404, 413, 429, 503, *([401] if auth else []))}}}
 
     auth_errors = _errors(comps, 401) if auth else {}
+    admin_errors = _errors(comps, 400, 403, *([401] if auth else []))  # 403: closed on an exposed bind
     paths = {
         "/v1/completions": generation(CompletionBody, Completion, "Text completion (OpenAI-compatible)"),
         "/v1/chat/completions": generation(ChatBody, ChatCompletion, "Chat completion (OpenAI-compatible)"),
@@ -193,16 +189,18 @@ def build_spec(auth: bool) -> dict:
                             "responses": {**json_ok(Health), "503": {"description": "no mode available", "content": {
                                 "application/json": {"schema": _schema(Health, comps)}}}}}},
         "/admin/policy": {
-            "get": {"summary": "The routing policy in force", "responses": {**json_ok(PolicyInfo), **auth_errors}},
-            "post": {"summary": "Reload the policy (from its file, or from another path); a broken file changes nothing",
+            "get": {"summary": "The routing policy in force",
+                    "responses": {**json_ok(PolicyInfo), **_errors(comps, 403, *([401] if auth else []))}},
+            "post": {"summary": "Reload the policy (its file, or another in the policy directories); a broken file "
+                             "changes nothing",
                      "requestBody": {"required": False, "content": {
                          "application/json": {"schema": _schema(PolicyReload, comps)}}},
-                     "responses": {**json_ok(PolicyInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+                     "responses": {**json_ok(PolicyInfo), **admin_errors}}},
         "/admin/gate": {
             "post": {"summary": "Reload the quality gate report; a broken file changes nothing",
                      "requestBody": {"required": False, "content": {
                          "application/json": {"schema": _schema(PolicyReload, comps)}}},
-                     "responses": {**json_ok(GateInfo), **_errors(comps, 400, *([401] if auth else []))}}},
+                     "responses": {**json_ok(GateInfo), **admin_errors}}},
         "/tokenize": {"post": {"summary": "Token ids of a text (vLLM's shape)", "requestBody": {"required": True,
                       "content": {"application/json": {"schema": _schema(TokenizeBody, comps)}}},
                       "responses": {**json_ok(Tokens), **_errors(comps, 400, *([401] if auth else []))}}},

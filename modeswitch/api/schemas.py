@@ -126,3 +126,10 @@ class TokenizeBody(BaseModel):
 class DetokenizeBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class PolicyReload(BaseModel):
+    """An admin reload: a file inside the configured directories, or nothing to re-read the current one."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = None

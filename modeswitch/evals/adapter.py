@@ -11,8 +11,6 @@ model, so scores are comparable with ``--model hf`` on the same checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from lm_eval import models as _builtin_models  # noqa: F401  (load the registry first, or 'hf' disappears)
@@ -21,13 +19,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from ..controller.decide import Controller
+from ..compose import all_shipped_modes, build_service
+from ..config import NO_GATE, LoadConfig, ServerConfig
 from ..controller.rules import RulePolicy
 from ..engines.base import SamplingParams
-from ..models import resolve_preset
-from ..modes import DEFAULT_MODES_DIR, ModeSpec, load_modes
-from ..pool import ModePool
-from ..service import Service
+from ..modes import ModeSpec
 
 
 @register_model("modeswitch")
@@ -39,21 +35,20 @@ class ModeSwitchLM(TemplateLM):
         """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own)."""
         super().__init__()
         if spec is None:
-            specs = {m.name: m for m in load_modes(DEFAULT_MODES_DIR, DEFAULT_MODES_DIR / "extra")}
+            specs = {m.name: m for m in all_shipped_modes()}
             if mode not in specs:
                 raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(specs)}")
             spec = specs[mode]
         self.mode = mode = spec.name
-        preset = resolve_preset(model)
-        if gptq:
-            preset = dataclasses.replace(preset, gptq=gptq)
-        self.pool = ModePool(preset, [spec], device=device, max_model_len=max_length)
-        self.pool.load(progress=lambda s: None)
+        config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
+                              load=LoadConfig(device=device, max_model_len=max_length))
+        policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
+        self.service = build_service(config, progress=lambda s: None, specs=[spec], policy=policy)
+        self.pool = self.service.pool
         state = self.pool.modes[mode]
         if not state.available:
+            self.pool.close()
             raise RuntimeError(f"mode {mode} is unavailable: {state.reason}")
-        policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
-        self.service = Service(self.pool, Controller(self.pool, policy), model)
         self.tokenizer = self.pool.tokenizer
         self.scorer = self.pool.weights.models[spec.weights]
         self._max_length = max_length

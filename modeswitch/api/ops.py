@@ -1,0 +1,89 @@
+"""Operations and information routes: health, metrics, the OpenAPI document, models, modes, tokenizer."""
+
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..controller.gates import judge
+from .context import ctx
+from .errors import ApiError
+from .generation import body
+from .openapi import build_spec
+from .schemas import DetokenizeBody, TokenizeBody, parse
+
+bp = Blueprint("ops", __name__)
+
+
+@bp.get("/health")
+def health():
+    c = ctx()
+    available = len(c.service.pool.available())
+    status = 200 if available else 503
+    return jsonify({"status": "ok" if available else "no mode available", "model": c.service.model_name,
+                    "modes_available": available, "in_flight": c.admission.active,
+                    "draining": c.admission.draining}), status
+
+
+@bp.get("/metrics")
+def metrics():
+    return Response(ctx().service.metrics.render(), mimetype=CONTENT_TYPE_LATEST)
+
+
+@bp.get("/openapi.json")
+def openapi():
+    return jsonify(build_spec(auth=bool(ctx().http.api_key)))
+
+
+@bp.get("/v1/models")
+def models():
+    c = ctx()
+    return jsonify({"object": "list", "data": [{"id": c.service.model_name, "object": "model", "created": c.started,
+                                                "owned_by": "modeswitch",
+                                                "max_model_len": c.service.pool.context_length}]})
+
+
+@bp.get("/v1/modes")
+def modes():
+    service = ctx().service
+    controller = service.controller
+    policy, report = controller.policy, controller.quality_report
+    described = service.pool.describe()
+    if report is not None:
+        verdicts = judge(report, policy.quality, "general")
+        for d in described:
+            d["quality_gate"] = ("not in report" if d["name"] not in verdicts
+                                 else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
+    gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
+    return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
+                    "quality_gate": gate, "memory": service.pool.memory(),
+                    "startup_seconds": service.pool.startup_seconds(), "engine": service.pool.engine_kind,
+                    "vllm_engines": service.pool.engines()})
+
+
+# ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)
+@bp.post("/tokenize")
+def tokenize():
+    service = ctx().service
+    req = parse(TokenizeBody, body())
+    tokens = service.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": service.pool.context_length})
+
+
+@bp.post("/detokenize")
+def detokenize():
+    tokenizer = ctx().service.tokenizer
+    req = parse(DetokenizeBody, body())
+    vocab = len(tokenizer)
+    if any(t >= vocab for t in req.tokens):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return jsonify({"prompt": tokenizer.decode(req.tokens)})
+
+
+@bp.get("/tokenizer_info")
+def tokenizer_info():
+    service = ctx().service
+    tok = service.tokenizer
+    return jsonify({"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                    "pad_token": tok.pad_token, "chat_template": tok.chat_template,
+                    "model_max_length": service.pool.context_length, "vocab_size": len(tok)})

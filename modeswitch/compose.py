@@ -1,0 +1,113 @@
+"""The composition root: the one place where a :class:`~modeswitch.config.ServerConfig` becomes running parts.
+
+``serve.py``, the lm-eval adapter, the benchmarks and the tests all assemble a server here, so there is one
+order of construction (modes, policy, weights and engines, controller and gate, service, HTTP app) and one
+place that knows which concrete classes play each part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from flask import Flask
+
+from .admission import Admission
+from .api.app import create_app
+from .api.context import ApiContext
+from .config import NO_GATE, ServerConfig
+from .controller.decide import Controller
+from .controller.rules import load_policy
+from .models import resolve_preset
+from .modes import ModeSpec, load_modes
+from .pool import ModePool
+from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
+from .service import Service
+from .yamlconf import ConfigError
+
+log = logging.getLogger("modeswitch")
+Progress = Callable[[str], None]
+
+
+def mode_specs(config: ServerConfig) -> tuple[list[ModeSpec], list[str]]:
+    """The modes to load (``config.modes``, default all) and the names of every defined mode (a policy may
+    name a mode that is defined but not loaded)."""
+    modes = load_modes(*(config.modes_dirs or (MODES_DIR,)))
+    defined = [m.name for m in modes]
+    unknown = sorted(set(config.modes) - set(defined))
+    if unknown:
+        raise ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; defined: {', '.join(defined)}")
+    return ([m for m in modes if m.name in config.modes] if config.modes else modes), defined
+
+
+def all_shipped_modes() -> list[ModeSpec]:
+    """The reference modes and the extra (speculative) variants shipped with the package."""
+    return load_modes(MODES_DIR, EXTRA_MODES_DIR)
+
+
+def gate_report_path(config: ServerConfig) -> Path | None:
+    """The report the quality gate enforces: the configured one, else the shipped one for this model if it
+    exists; None when the gate is off."""
+    if config.gate_report == NO_GATE:
+        return None
+    if config.gate_report:
+        return Path(config.gate_report)
+    shipped = shipped_report(config.model)
+    return shipped if shipped.is_file() else None
+
+
+def build_service(config: ServerConfig, progress: Progress = log.info, *, specs: Sequence[ModeSpec] | None = None,
+                  policy=None) -> Service:
+    """Everything but HTTP; raises WeightsNotFound / ConfigError / MemoryBudgetExceeded with a clear message.
+    ``specs`` and ``policy`` replace the configured modes and policy (the lm-eval adapter serves one mode
+    it was handed, pinned)."""
+    if specs is None:
+        specs, defined = mode_specs(config)
+    else:
+        defined = [s.name for s in specs]
+    policy = policy or load_policy(config.policy or DEFAULT_POLICY, defined)
+    preset = resolve_preset(config.model)
+    if config.gptq:
+        preset = dataclasses.replace(preset, gptq=config.gptq)
+    load = config.load
+    pool = ModePool(preset, list(specs), device=load.device, dtype=load.dtype, memory_budget=load.memory_budget,
+                    max_model_len=load.max_model_len, decode=load.decode, power_watts=load.power_watts,
+                    engine=load.engine)
+    pool.load(progress)
+    progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
+    controller = Controller(pool, policy, defined_modes=defined)
+    report = gate_report_path(config)
+    if report is not None:
+        controller.load_quality_report(report)
+        progress(f"quality gate: enforcing {report}")
+    return Service(pool, controller, preset.name)
+
+
+@dataclass
+class Server:
+    """An assembled server: the service, admission control and the WSGI app over them."""
+
+    config: ServerConfig
+    service: Service
+    admission: Admission
+    app: Flask
+
+    def close(self) -> None:
+        self.service.controller.close()
+        self.service.pool.close()
+
+
+def build_app(config: ServerConfig, progress: Progress = log.info) -> Server:
+    """The whole server for ``config``, ready to be served by any WSGI server (or Flask's test client)."""
+    service = build_service(config, progress)
+    admission = Admission(per_client=config.http.max_inflight_per_client)
+    policy_dirs = tuple(dict.fromkeys([Path(service.controller.policy.source).parent.resolve(), POLICIES_DIR]))
+    report = service.controller.quality_report_path
+    report_dirs = tuple(dict.fromkeys([*([Path(report).parent.resolve()] if report else []), REPORTS_DIR]))
+    context = ApiContext(service, admission, config.http, policy_dirs, report_dirs)
+    if context.admin_exposed and not config.http.unauthenticated_admin:
+        progress(f"admin routes closed: listening on {config.http.host} without --api-key")
+    return Server(config, service, admission, create_app(context))
