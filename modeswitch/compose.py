@@ -60,10 +60,10 @@ def gate_report_path(config: ServerConfig) -> Path | None:
 
 
 def build_service(config: ServerConfig, progress: Progress = log.info, *, specs: Sequence[ModeSpec] | None = None,
-                  policy=None) -> Service:
+                  policy=None, backend=None) -> Service:
     """Everything but HTTP; raises WeightsNotFound / ConfigError / MemoryBudgetExceeded with a clear message.
     ``specs`` and ``policy`` replace the configured modes and policy (the lm-eval adapter serves one mode
-    it was handed, pinned)."""
+    it was handed, pinned); ``backend`` replaces the engine family ``config.load.engine`` selects (tests)."""
     if specs is None:
         specs, defined = mode_specs(config)
     else:
@@ -100,9 +100,9 @@ class Server:
         self.service.pool.close()
 
 
-def build_app(config: ServerConfig, progress: Progress = log.info) -> Server:
+def build_app(config: ServerConfig, progress: Progress = log.info, backend=None) -> Server:
     """The whole server for ``config``, ready to be served by any WSGI server (or Flask's test client)."""
-    service = build_service(config, progress)
+    service = build_service(config, progress, backend=backend)
     admission = Admission(per_client=config.http.max_inflight_per_client)
     policy_dirs = tuple(dict.fromkeys([Path(service.controller.policy.source).parent.resolve(), POLICIES_DIR]))
     report = service.controller.quality_report_path

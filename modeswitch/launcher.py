@@ -24,12 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_dir: Path, *args: str, wait_s: float = 600) -> tuple[subprocess.Popen, str, Path]:
-    """Run ``serve.py --port P *args``; return (process, base URL, log file) once /health answers 200."""
+#: the server as a user starts it, and the same process over the fake backend (no model; tests)
+SERVE = (str(ROOT / "serve.py"),)
+SERVE_FAKE = ("-m", "modeswitch.testing")
+
+
+def start_server(log_dir: Path, *args: str, wait_s: float = 600,
+                 entry: tuple[str, ...] = SERVE) -> tuple[subprocess.Popen, str, Path]:
+    """Run ``python ENTRY --port P *args``; return (process, base URL, log file) once /health answers 200."""
     port = free_port()
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "serve.py"), "--port", str(port), *args],
+        [sys.executable, *entry, "--port", str(port), *args],
         cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"

@@ -82,12 +82,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         gate_report=args.gate_report, load=load, http=http)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, backend=None) -> int:
+    """Serve until SIGTERM (drained) or Ctrl-C. ``backend``: the engine family to use instead of the one
+    ``--engine`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
-        assembled = build_app(config_from_args(args))
+        assembled = build_app(config_from_args(args), backend=backend)
     except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

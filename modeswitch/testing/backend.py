@@ -1,0 +1,62 @@
+"""A backend that needs no weights: every mode is a :class:`~modeswitch.testing.engine.FakeEngine`.
+
+It satisfies :class:`~modeswitch.backends.base.Backend`, so the real registry, controller, service and HTTP
+app run on top of it unchanged; what a test needs (a slow mode, a failing mode, a mode that cannot be
+served here) is said per mode in :class:`Script` objects or ``unavailable`` reasons.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..backends.base import BuiltMode, ModelInfo, Progress
+from ..memory import Footprint, MemoryPlan
+from ..modes import ModeSpec
+from ..weights import VariantUnavailable
+from .engine import FakeEngine, Script
+from .tokenizer import ByteTokenizer
+
+#: sizes the memory plan shows for a fake mode (nothing is allocated)
+WEIGHTS_BYTES = 1 << 20
+KV_BYTES_PER_TOKEN = 1024
+
+
+class FakeBackend:
+    name = "fake"
+    device = "cpu"
+
+    def __init__(self, scripts: Mapping[str, Script] | None = None, unavailable: Mapping[str, str] | None = None,
+                 context_length: int = 2048, default: Script = Script()) -> None:
+        """``scripts``: how each mode behaves (others follow ``default``: instant); ``unavailable``: modes that
+        cannot be served here, with the reason the registry shows."""
+        self.scripts = dict(scripts or {})
+        self.default = default
+        self.unavailable = dict(unavailable or {})
+        self.context_length = context_length
+        self.engines: dict[str, FakeEngine] = {}
+
+    def open(self, progress: Progress) -> ModelInfo:
+        return ModelInfo(ByteTokenizer(), self.context_length, KV_BYTES_PER_TOKEN)
+
+    def footprint(self, spec: ModeSpec) -> Footprint:
+        if spec.name in self.unavailable:
+            raise VariantUnavailable(self.unavailable[spec.name])
+        kv = self.context_length * KV_BYTES_PER_TOKEN
+        return Footprint(spec.name, spec.weights, kv, f"one sequence of {self.context_length} tokens",
+                         {spec.weights: WEIGHTS_BYTES})
+
+    def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
+        engine = self.engines[spec.name] = FakeEngine(spec, self.scripts.get(spec.name, self.default))
+        return BuiltMode(engine, {"script": repr(engine.script)})
+
+    def resident_weights(self) -> dict[str, int]:
+        return {}
+
+    def startup_seconds(self) -> dict[str, float]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,118 @@
+"""A scripted engine: deterministic tokens at a set pace, with faults and slowness injected by the test."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..engines.base import Engine, GenRequest
+from ..modes import ModeSpec
+from ..radix import RadixTree
+
+
+@dataclass(frozen=True)
+class Script:
+    """How a fake mode behaves. The text it generates is a function of the prompt alone (the same in every
+    mode, as greedy output of real modes is), so tests can compare modes."""
+
+    #: seconds before the first token, and between tokens
+    ttft_s: float = 0.0
+    token_s: float = 0.0
+    #: fail every request it accepts (an engine that broke)
+    fault: bool = False
+    #: requests generated at once; more wait in its queue (1: one at a time)
+    batch: int = 8
+    #: None: as the mode's spec implies (a continuous-batching mode is greedy-only with reserved KV, as
+    #: transformers' is; a prefix-cache mode reports the longest prompt prefix it has seen)
+    supports_sampling: bool | None = None
+    supports_scoring: bool = True
+    preallocated_kv: bool | None = None
+    prefix_cache: bool | None = None
+
+
+def next_token(context: list[int]) -> int:
+    """The scripted continuation: lower-case ASCII letters, a function of the last token."""
+    return 97 + (context[-1] * 7 + len(context)) % 26 if context else 97
+
+
+class FakeEngine(Engine):
+    def __init__(self, spec: ModeSpec, script: Script) -> None:
+        super().__init__(spec.max_queue)
+        batched = spec.batching == "continuous"
+        self.script = script
+        self.supports_sampling = not batched if script.supports_sampling is None else script.supports_sampling
+        self.supports_scoring = script.supports_scoring
+        self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
+        prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
+        self.submitted = 0
+        self._prefixes = RadixTree() if prefix_cache else None
+        self._queue: queue.Queue[GenRequest | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._workers = [threading.Thread(target=self._loop, name=f"fake-{spec.name}-{i}", daemon=True)
+                         for i in range(script.batch)]
+        for worker in self._workers:
+            worker.start()
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        return self._prefixes.longest_match(prompt_ids)[0] if self._prefixes is not None else None
+
+    def _enqueue(self, req: GenRequest) -> None:
+        self.submitted += 1
+        self._queue.put(req)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            req = self._queue.get()
+            if req is None:
+                return
+            try:
+                self._serve(req)
+            except Exception as exc:  # a bug here must fail the request, not hang it
+                req.emit("error", error=f"{type(exc).__name__}: {exc}")
+
+    def _serve(self, req: GenRequest) -> None:
+        script = self.script
+        if script.ttft_s:
+            time.sleep(script.ttft_s)
+        if script.fault:
+            req.emit("error", error="RuntimeError: injected fault")
+            return
+        cached = self.prefix_match(req.prompt_ids) or 0
+        if self._prefixes is not None:
+            self._prefixes.insert(req.prompt_ids, True)
+        if req.params.prompt_logprobs is not None:
+            self._score(req)
+            return
+        context = list(req.prompt_ids)
+        for i in range(req.params.max_tokens):
+            if req.cancelled.is_set():
+                req.emit("done", finish_reason="cancelled", cached_tokens=cached)
+                return
+            if i and script.token_s:
+                time.sleep(script.token_s)
+            token = next_token(context)
+            context.append(token)
+            req.emit("tokens", [token])
+        req.emit("done", finish_reason="length", cached_tokens=cached)
+
+    def _score(self, req: GenRequest) -> None:
+        """Prompt logprobs in the shape the transformers engine returns (see GenerateEngine._score)."""
+        ids = req.prompt_ids
+        following = next_token(ids)
+        k = max(1, req.params.prompt_logprobs)
+        tops = [{t: -float(j + 1) for j, t in enumerate(range(97, 97 + k))} for _ in ids]
+        req.emit("tokens", [following])
+        req.emit("done", finish_reason="length", cached_tokens=0,
+                 logprobs={"token_ids": ids + [following], "token_logprobs": [None] + [-1.0] * len(ids),
+                           "top_logprobs": [None] + tops})
+
+    def stats(self) -> dict[str, Any]:
+        return {"submitted": self.submitted}
+
+    def close(self) -> None:
+        self._stop.set()
+        for _ in self._workers:
+            self._queue.put(None)
