@@ -15,7 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..admission import Admission, Refused
 from ..controller.decide import NoEligibleMode
-from ..controller.gates import judge
+from ..controller.quality import judge
 from ..engines.base import SamplingParams
 from ..service import Generation, GenerationError, Service
 from ..yamlconf import ConfigError

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from ..pool import ModeState
 from .features import Features
+from .quality import judge
 
 
 class Gate(Protocol):
@@ -141,29 +142,6 @@ class MemoryGate:
         need = shape.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens) if shape else 0
         return (f"memory pressure: {features.memory_headroom:.1%} free < {floor:.1%}, and this mode would "
                 f"allocate ~{need / 2**20:.1f} MiB of KV for the request")
-
-
-def judge(report: dict | None, quality, family: str) -> dict[str, str | None]:
-    """Per mode in the report: None if it passes for ``family``, else why it fails."""
-    if report is None:
-        return {}
-    base = report["modes"].get("fp16", {})
-    tasks = [t for t in quality.tasks_for(family, report["tasks"]) if t in report["tasks"]]
-    verdicts: dict[str, str | None] = {}
-    for mode, per_task in report["modes"].items():
-        failures = []
-        for task in tasks:
-            if task not in per_task or task not in base:
-                continue
-            value, ref = per_task[task]["value"], base[task]["value"]
-            if report["tasks"][task]["higher_is_better"]:
-                drop = (ref - value) * 100
-                if drop > quality.max_drop_pp:
-                    failures.append(f"{task} -{drop:.1f} pp")
-            elif (value / ref - 1) * 100 > quality.max_ppl_increase_pct:
-                failures.append(f"{task} +{(value / ref - 1) * 100:.1f} %")
-        verdicts[mode] = f"fails the quality gate ({', '.join(failures)})" if failures else None
-    return verdicts
 
 
 DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate())

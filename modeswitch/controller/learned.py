@@ -42,7 +42,8 @@ import numpy as np
 
 from ..yamlconf import Section
 from .features import Features
-from .rules import Choice, EnergyPolicy, MemoryPolicy, QualityPolicy, Rule
+from .quality import QualityPolicy
+from .rules import Choice, EnergyPolicy, MemoryPolicy, Rule
 
 log = logging.getLogger(__name__)
 

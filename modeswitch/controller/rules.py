@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from ..yamlconf import ConfigError, Section, load_yaml
 from .features import FEATURE_DOCS, Features
+from .quality import QualityPolicy
 
 OPERATORS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
              "ne": operator.ne}
@@ -78,20 +79,6 @@ class Choice:
     reason: str
     rule: str | None
     prediction: Mapping[str, Any] | None = None  # what a learned policy expected of the mode it chose
-
-
-@dataclass(frozen=True)
-class QualityPolicy:
-    """How the quality gate reads a gate report: tolerances, whether modes without one are refused, and
-    which tasks make up each task family a request may name (``general``, and unknown families: all)."""
-
-    max_drop_pp: float = 1.0
-    max_ppl_increase_pct: float = 10.0
-    require_gate: bool = False
-    families: tuple[tuple[str, tuple[str, ...]], ...] = ()
-
-    def tasks_for(self, family: str, available: Iterable[str]) -> tuple[str, ...]:
-        return dict(self.families).get(family) or tuple(available)
 
 
 @dataclass(frozen=True)
@@ -277,8 +264,8 @@ def _quality(sec: Section | None) -> QualityPolicy:
             raise families.error("must be a non-empty list of task names", str(family))
         parsed.append((str(family), tuple(tasks)))
     return QualityPolicy(
-        max_drop_pp=float(sec.get("max_drop_pp", (int, float), 1.0)),
-        max_ppl_increase_pct=float(sec.get("max_ppl_increase_pct", (int, float), 10.0)),
+        max_drop_pp=float(sec.get("max_drop_pp", (int, float), QualityPolicy.max_drop_pp)),
+        max_ppl_increase_pct=float(sec.get("max_ppl_increase_pct", (int, float), QualityPolicy.max_ppl_increase_pct)),
         require_gate=sec.get("require_gate", bool, False),
         families=tuple(parsed),
     )
