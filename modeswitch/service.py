@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
+from .controller.verdicts import Code
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
 from .pool import ModePool, memory_headroom
@@ -121,7 +122,7 @@ class Generation:
                     pool.modes[decision.mode].record_failure(f"submit: {exc}")
                 if self.pinned is not None:
                     raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
-                                         "saturated" if full else "quarantined") from exc
+                                         Code.SATURATED if full else Code.QUARANTINED) from exc
                 self.attempts.append(f"{decision.mode}: {exc}")
                 self._excluded = self._excluded | {decision.mode}
                 continue

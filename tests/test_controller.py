@@ -1,4 +1,5 @@
-"""The controller without a model: one quality judgement for the gate report and the router."""
+"""The controller without a model: what a refusal's codes mean, and one quality judgement for the gate
+report and the router."""
 
 from __future__ import annotations
 
@@ -7,7 +8,21 @@ import math
 import pytest
 
 from modeswitch.controller.quality import QualityPolicy, judge
+from modeswitch.controller.verdicts import PRECEDENCE, Code, most_hopeful
 from modeswitch.evals.gate import mark, render
+
+
+# ---------------------------------------------------------------------------------------------- verdicts
+def test_waiting_helps_only_for_saturation_quarantine_and_memory():
+    assert {c for c in Code if c.transient} == {Code.SATURATED, Code.QUARANTINED, Code.MEMORY}
+    assert set(PRECEDENCE) == set(Code)
+
+
+def test_a_refusal_carries_the_most_hopeful_code_of_its_verdicts():
+    assert most_hopeful([Code.UNAVAILABLE, Code.MEMORY, Code.QUARANTINED]) is Code.QUARANTINED
+    assert most_hopeful([Code.QUALITY, Code.SATURATED]) is Code.SATURATED
+    assert most_hopeful([Code.NOT_LOADED, Code.UNAVAILABLE, Code.CAPABILITY]) is Code.CAPABILITY
+    assert most_hopeful([]) is Code.UNAVAILABLE
 
 
 # ---------------------------------------------------------------------------------------------- quality

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from modeswitch.controller.decide import Controller, NoEligibleMode
+from modeswitch.controller.verdicts import Code
 from modeswitch.energy import HARDWARE, ESTIMATED, EnergyAccountant, EstimatingMeter, Share, StepCost
 from modeswitch.models import PRESETS
 from modeswitch.modes import load_modes
@@ -128,7 +129,8 @@ def test_energy_gate_filters_modes_over_their_cap():
     modes["fp16"].record_energy(10.0, 10)   # 1 J/token
     decision = controller.decide(feats())
     assert decision.mode == "int8"
-    assert decision.filtered["gptq"].startswith("energy: 3 J/token over the cap of 2 (energy.max_j_per_token)")
+    assert decision.filtered["gptq"].code is Code.ENERGY
+    assert str(decision.filtered["gptq"]).startswith("energy: 3 J/token over the cap of 2 (energy.max_j_per_token)")
     # a matching rule's cap is tighter still: only modes under 0.5 J/token; none is, so nothing is eligible
     with pytest.raises(NoEligibleMode):
         controller.decide(feats(max_tokens=200))
@@ -137,7 +139,7 @@ def test_energy_gate_filters_modes_over_their_cap():
     for _ in range(3):
         modes["fp16"].record_energy(0.0, 10)
     decision = controller.decide(feats(max_tokens=200))
-    assert decision.mode == "fp16" and "(rule 'long')" in decision.filtered["int8"]
+    assert decision.mode == "fp16" and "(rule 'long')" in str(decision.filtered["int8"])
 
 
 def test_energy_gate_matches_the_rules_once_per_request(monkeypatch):

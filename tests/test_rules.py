@@ -8,6 +8,7 @@ import pytest
 
 from modeswitch.controller.features import Features
 from modeswitch.controller.rules import load_policy, parse_policy
+from modeswitch.controller.verdicts import Code, Verdict
 from modeswitch.modes import load_modes
 from modeswitch.yamlconf import ConfigError, load_yaml
 
@@ -95,7 +96,7 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
     controller = Controller(pool, policy, defined_modes=[m.name for m in modes])
     decision = controller.decide(feats(queue_depth=9))  # many-concurrent: neither CB mode is loaded
     assert decision.mode == "fp16"
-    assert decision.filtered["continuous_batching"] == "not loaded (--modes)"
+    assert decision.filtered["continuous_batching"] == Verdict(Code.NOT_LOADED, "not loaded (--modes)")
     assert "continuous_batching: not loaded (--modes)" in decision.reason
 
 

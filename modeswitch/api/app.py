@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException
 from ..admission import Admission, Refused
 from ..controller.decide import NoEligibleMode
 from ..controller.quality import judge
+from ..controller.verdicts import Code
 from ..engines.base import SamplingParams
 from ..service import Generation, GenerationError, Service
 from ..yamlconf import ConfigError
@@ -121,9 +122,10 @@ def create_app(service: Service, admission: Admission | None = None, api_key: st
         try:
             return service.start(prompt_ids, params, req.stop_list, req.mode, req.task)
         except NoEligibleMode as exc:
-            if req.mode is not None and exc.code == "unavailable":
+            if req.mode is not None and not exc.code.transient:
                 raise ApiError(400, str(exc), param="mode", code="mode_unavailable") from None
-            codes = {"saturated": "overloaded", "quarantined": "mode_quarantined", "memory": "insufficient_memory"}
+            codes = {Code.SATURATED: "overloaded", Code.QUARANTINED: "mode_quarantined",
+                     Code.MEMORY: "insufficient_memory"}
             raise ApiError(503, str(exc), code=codes.get(exc.code, "no_eligible_mode"),
                            retry_after=RETRY_AFTER_S) from None
 

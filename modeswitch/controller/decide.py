@@ -19,23 +19,19 @@ from .features import Features
 from ..yamlconf import ConfigError
 from .gates import DEFAULT_GATES, EnergyGate, Gate, MemoryGate, QualityGate
 from .rules import RulePolicy, load_policy
+from .verdicts import Code, Verdict, most_hopeful
+
+_NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
+_EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
 
 
 class NoEligibleMode(RuntimeError):
-    """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help:
-    ``saturated``, ``quarantined`` or ``memory`` (temporary), ``unavailable`` (not for this request / not here)."""
+    """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help
+    (``code.transient``); with several verdicts, the one :func:`most_hopeful` picks."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: Code) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _code(reasons: list[str]) -> str:
-    """The most hopeful reason among the gates' answers: waiting helps for saturation and quarantine."""
-    for prefix, code in (("saturated", "saturated"), ("quarantined", "quarantined"), ("memory pressure", "memory")):
-        if any(r.startswith(prefix) for r in reasons):
-            return code
-    return "unavailable"
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ class Decision:
     mode: str
     reason: str
     features: Features
-    filtered: Mapping[str, str] = field(default_factory=dict)
+    filtered: Mapping[str, Verdict] = field(default_factory=dict)
     policy: str = ""
     decision_us: float = 0.0
     rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
@@ -60,20 +56,20 @@ class Controller:
         self.quality_report_path: Path | None = None
         self.gates = (*gates, QualityGate(self), MemoryGate(self), EnergyGate(self))
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
-        self._not_loaded = {m: "not loaded (--modes)" for m in self.defined_modes if m not in pool.modes}
+        self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in pool.modes}
         self._reload_lock = threading.Lock()
 
-    def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, str]:
-        """Modes a gate rejects for this request, with the first gate's reason."""
-        filtered: dict[str, str] = dict(self._not_loaded)
+    def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
+        """Modes a gate rejects for this request, with the first gate's verdict."""
+        filtered: dict[str, Verdict] = dict(self._not_loaded)
         for name, state in self.pool.modes.items():
             if name in exclude:
-                filtered[name] = "excluded after a failed attempt"
+                filtered[name] = _EXCLUDED
                 continue
             for gate in self.gates:
-                why = gate.check(state, features)
-                if why is not None:
-                    filtered[name] = why
+                verdict = gate.check(state, features)
+                if verdict is not None:
+                    filtered[name] = verdict
                     break
         return filtered
 
@@ -84,7 +80,7 @@ class Controller:
         if pinned is not None:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
-                                     _code([filtered[pinned]]))
+                                     filtered[pinned].code)
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
             choice = policy.choose(features, filtered)
@@ -93,7 +89,7 @@ class Controller:
                 mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
                                             f"{spare} (its KV is reserved at start)", "memory-degrade"
             elif choice.mode is None:
-                raise NoEligibleMode(choice.reason, _code(list(filtered.values())))
+                raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
             else:
                 mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
                 prediction = choice.prediction
@@ -113,7 +109,7 @@ class Controller:
         if save is not None:
             save()
 
-    def _degrade(self, features: Features, filtered: Mapping[str, str]) -> str | None:
+    def _degrade(self, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
         """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
         gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
         if features.memory_headroom >= self.policy.memory.min_headroom:

@@ -44,6 +44,7 @@ from ..yamlconf import Section
 from .features import Features
 from .quality import QualityPolicy
 from .rules import Choice, EnergyPolicy, MemoryPolicy, Rule
+from .verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ class LearnedPolicy:
         cost = self.w_latency * model.latency(mode, f) if self.w_latency else 0.0
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
-    def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
+    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
         eligible = [m for m in self.modes if m not in filtered]
         if not eligible:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping
 from ..yamlconf import ConfigError, Section, load_yaml
 from .features import FEATURE_DOCS, Features
 from .quality import QualityPolicy
+from .verdicts import Verdict
 
 OPERATORS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
              "ne": operator.ne}
@@ -136,7 +137,7 @@ class RulePolicy:
                 return r
         return None
 
-    def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
+    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
         """The first mode of the matching rule's list (then the fallback list) that no gate filtered."""
         rule = self.match(features)
         if rule is not None:
