@@ -92,7 +92,7 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
                     engine=args.engine)
     pool.load(progress)
     progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
-    controller = Controller(pool, policy, defined_modes=defined)
+    controller = Controller(pool.modes, policy, pool.shape.kv_bytes_per_token, defined_modes=defined)
     report = Path(args.gate_report) if args.gate_report else REPORTS_DIR / f"{Path(args.model).name}.json"
     if args.gate_report != "none" and (args.gate_report or report.is_file()):
         controller.load_quality_report(report)

@@ -113,7 +113,7 @@ def gated_controller(text: str) -> Controller:
     pool = ModePool(PRESETS["demo"], modes, device="cpu")
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
-    return Controller(pool, policy_from(text))
+    return Controller(pool.modes, policy_from(text))
 
 
 def test_energy_gate_filters_modes_over_their_cap():
@@ -121,7 +121,7 @@ def test_energy_gate_filters_modes_over_their_cap():
         "rules:\n  - name: long\n    when: {max_tokens: {ge: 100}}\n    use: [gptq, int8, fp16]\n"
         "    energy: {max_j_per_token: 0.5}\n"
         "default: [gptq, int8, fp16]\nenergy: {max_j_per_token: 2.0, modes: {int8: 5.0}}\n")
-    modes = controller.pool.modes
+    modes = controller.modes
     # no figures yet: nothing to judge, the policy's first choice
     assert controller.decide(feats()).mode == "gptq"
     modes["gptq"].record_energy(30.0, 10)   # 3 J/token: over the global 2.0
@@ -147,7 +147,7 @@ def test_energy_gate_matches_the_rules_once_per_request(monkeypatch):
     choice and once by the gate, not once per mode."""
     controller = gated_controller("rules: []\ndefault: [gptq, int8, fp16]\nenergy: {max_j_per_token: 2.0}\n")
     for name in ("gptq", "int8", "fp16"):
-        controller.pool.modes[name].record_energy(1.0, 10)
+        controller.modes[name].record_energy(1.0, 10)
     calls = []
     policy_type = type(controller.policy)
     original = policy_type.match

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..pool import ModePool
-from .features import Features
 from ..yamlconf import ConfigError
-from .gates import DEFAULT_GATES, EnergyGate, Gate, MemoryGate, QualityGate
+from .features import Features
+from .gates import Cycle, gates
 from .rules import RulePolicy, load_policy
 from .verdicts import Code, Verdict, most_hopeful
+from .view import ModeView
 
 _NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
 _EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
@@ -47,27 +47,32 @@ class Decision:
 
 
 class Controller:
-    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES,
+    def __init__(self, modes: Mapping[str, ModeView], policy: RulePolicy, kv_bytes_per_token: int = 0,
                  defined_modes: Sequence[str] = ()) -> None:
-        """``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
-        self.pool = pool
+        """``modes``: the resident modes by name, read at every decision (the registry's live views).
+        ``kv_bytes_per_token``: the model's KV size, for the memory gate's estimate of what a request needs.
+        ``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
+        self.modes = modes
         self.policy = policy
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
-        self.gates = (*gates, QualityGate(self), MemoryGate(self), EnergyGate(self))
-        self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
-        self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in pool.modes}
+        self.gates = gates(kv_bytes_per_token)
+        self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
+        self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
         self._reload_lock = threading.Lock()
 
     def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
         """Modes a gate rejects for this request, with the first gate's verdict."""
+        return self._filter(Cycle(features, self.policy, self.quality_report), exclude)
+
+    def _filter(self, cycle: Cycle, exclude: frozenset[str]) -> dict[str, Verdict]:
         filtered: dict[str, Verdict] = dict(self._not_loaded)
-        for name, state in self.pool.modes.items():
+        for name, mode in self.modes.items():
             if name in exclude:
                 filtered[name] = _EXCLUDED
                 continue
             for gate in self.gates:
-                verdict = gate.check(state, features)
+                verdict = gate.check(mode, cycle)
                 if verdict is not None:
                     filtered[name] = verdict
                     break
@@ -75,8 +80,9 @@ class Controller:
 
     def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
         start = time.perf_counter()
-        policy = self.policy
-        filtered = self.filter(features, exclude)
+        cycle = Cycle(features, self.policy, self.quality_report)
+        policy = cycle.policy
+        filtered = self._filter(cycle, exclude)
         if pinned is not None:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
@@ -84,7 +90,7 @@ class Controller:
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
             choice = policy.choose(features, filtered)
-            if choice.mode is None and (spare := self._degrade(features, filtered)) is not None:
+            if choice.mode is None and (spare := self._degrade(policy, features, filtered)) is not None:
                 prediction = None
                 mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
                                             f"{spare} (its KV is reserved at start)", "memory-degrade"
@@ -109,12 +115,12 @@ class Controller:
         if save is not None:
             save()
 
-    def _degrade(self, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
+    def _degrade(self, policy: RulePolicy, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
         """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
         gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
-        if features.memory_headroom >= self.policy.memory.min_headroom:
+        if features.memory_headroom >= policy.memory.min_headroom:
             return None
-        return next((name for name in self.pool.modes if name not in filtered), None)
+        return next((name for name in self.modes if name not in filtered), None)
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
         """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""

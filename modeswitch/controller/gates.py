@@ -1,24 +1,37 @@
 """Gates: filters that remove modes a request must not go to, each answering with a typed verdict.
 
 A gate answers ``None`` (pass) or a :class:`Verdict`. The controller applies them all before the policy
-chooses, so a policy can never route around one. The policy-driven gates (quality, energy, memory) read
-the controller's current policy on every check, so a reloaded policy applies to the next request.
+chooses, so a policy can never route around one. The gates that depend on the policy (quality, memory,
+energy) read it from the :class:`Cycle`, the state of one request's filtering: the policy and quality
+report as they were when the request was decided, so a reload applies to the next request and never to
+half of this one's modes.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Mapping, Protocol
 
-from ..pool import ModeState
 from .features import Features
 from .quality import judge
+from .rules import RulePolicy
 from .verdicts import Code, Verdict
+from .view import ModeView
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """One request's filtering: what every gate sees besides the mode."""
+
+    features: Features
+    policy: RulePolicy
+    quality_report: Mapping | None
 
 
 class Gate(Protocol):
     name: str
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None: ...
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None: ...
 
 
 class AvailableGate:
@@ -26,18 +39,19 @@ class AvailableGate:
 
     name = "available"
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         return None if mode.available else Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
 
 
-class CapacityGate:
-    """The mode's bounded queue has room; when every mode is full, waiting helps."""
+class QuarantineGate:
+    """The mode has not failed a request recently (the registry sets the backoff)."""
 
-    name = "capacity"
+    name = "quarantine"
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        if mode.engine is not None and mode.engine.in_flight >= mode.engine.max_queue:
-            return Verdict(Code.SATURATED, f"saturated: {mode.engine.in_flight}/{mode.engine.max_queue} in flight")
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        left = mode.quarantine_left
+        if left > 0:
+            return Verdict(Code.QUARANTINED, f"quarantined for {left:.0f} s after: {mode.last_error}")
         return None
 
 
@@ -50,25 +64,22 @@ class CapabilityGate:
 
     name = "capability"
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        if mode.engine is None:
-            return None
-        if not features.greedy and not mode.engine.supports_sampling:
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        if not cycle.features.greedy and not mode.supports_sampling:
             return _GREEDY_ONLY
-        if features.scoring and not mode.engine.supports_scoring:
+        if cycle.features.scoring and not mode.supports_scoring:
             return _NO_SCORING
         return None
 
 
-class QuarantineGate:
-    """The mode has not failed a request recently (see ModeState.record_failure for the backoff)."""
+class CapacityGate:
+    """The mode's bounded queue has room; when every mode is full, waiting helps."""
 
-    name = "quarantine"
+    name = "capacity"
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        left = mode.quarantine_left
-        if left > 0:
-            return Verdict(Code.QUARANTINED, f"quarantined for {left:.0f} s after: {mode.last_error}")
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        if mode.in_flight >= mode.max_queue:
+            return Verdict(Code.SATURATED, f"saturated: {mode.in_flight}/{mode.max_queue} in flight")
         return None
 
 
@@ -82,12 +93,10 @@ class QualityGate:
 
     name = "quality"
 
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self) -> None:
         self._verdicts: dict = {}
 
-    def verdicts(self, family: str) -> dict[str, Verdict | None]:
-        report, policy = self.controller.quality_report, self.controller.policy
+    def verdicts(self, report: Mapping, policy: RulePolicy, family: str) -> dict[str, Verdict | None]:
         key = (id(report), id(policy), family)
         if key not in self._verdicts:
             judged = judge(report, policy.quality, family)
@@ -95,15 +104,32 @@ class QualityGate:
                                     for mode, why in judged.items()}}  # older keys are stale
         return self._verdicts[key]
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        quality = self.controller.policy.quality
-        report = self.controller.quality_report
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        quality, report = cycle.policy.quality, cycle.quality_report
         if report is None:
             return _NO_REPORT if quality.require_gate else None
-        verdicts = self.verdicts(features.task)
+        verdicts = self.verdicts(report, cycle.policy, cycle.features.task)
         if mode.name not in verdicts:
             return _NOT_IN_REPORT if quality.require_gate else None
         return verdicts[mode.name]
+
+
+class MemoryGate:
+    """Under memory pressure (free fraction below the policy's ``memory.min_headroom``), only modes whose
+    KV is reserved at start take new requests: the others would allocate the request's KV now."""
+
+    name = "memory"
+
+    def __init__(self, kv_bytes_per_token: int) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        floor, f = cycle.policy.memory.min_headroom, cycle.features
+        if f.memory_headroom >= floor or mode.preallocated_kv:
+            return None
+        need = self.kv_bytes_per_token * (f.prompt_tokens + f.max_tokens)
+        return Verdict(Code.MEMORY, f"memory pressure: {f.memory_headroom:.1%} free < {floor:.1%}, and this mode "
+                                    f"would allocate ~{need / 2**20:.1f} MiB of KV for the request")
 
 
 class EnergyGate:
@@ -115,8 +141,7 @@ class EnergyGate:
 
     name = "energy"
 
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self) -> None:
         self._last_match: tuple = (None, None, None)  # (policy, features, rule); swapped whole, so thread-safe
 
     def _rule(self, policy, features: Features):
@@ -126,33 +151,18 @@ class EnergyGate:
             self._last_match = (policy, features, rule)
         return rule
 
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        if mode.j_per_token is None:
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        j = mode.j_per_token
+        if j is None:
             return None
-        policy = self.controller.policy
-        cap = policy.energy.cap(mode.name, self._rule(policy, features))
-        if cap is not None and mode.j_per_token > cap[0]:
-            return Verdict(Code.ENERGY, f"energy: {mode.j_per_token:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})")
+        policy = cycle.policy
+        cap = policy.energy.cap(mode.name, self._rule(policy, cycle.features))
+        if cap is not None and j > cap[0]:
+            return Verdict(Code.ENERGY, f"energy: {j:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})")
         return None
 
 
-class MemoryGate:
-    """Under memory pressure (free fraction below the policy's ``memory.min_headroom``), only modes whose
-    KV is reserved at start take new requests: the others would allocate the request's KV now."""
-
-    name = "memory"
-
-    def __init__(self, controller) -> None:
-        self.controller = controller
-
-    def check(self, mode: ModeState, features: Features) -> Verdict | None:
-        floor = self.controller.policy.memory.min_headroom
-        if features.memory_headroom >= floor or mode.engine is None or mode.engine.preallocated_kv:
-            return None
-        shape = self.controller.pool.shape
-        need = shape.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens) if shape else 0
-        return Verdict(Code.MEMORY, f"memory pressure: {features.memory_headroom:.1%} free < {floor:.1%}, and this "
-                                    f"mode would allocate ~{need / 2**20:.1f} MiB of KV for the request")
-
-
-DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate())
+def gates(kv_bytes_per_token: int) -> tuple[Gate, ...]:
+    """Every gate, in the order they are asked (the first verdict is the one a mode is filtered with)."""
+    return (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate(), QualityGate(),
+            MemoryGate(kv_bytes_per_token), EnergyGate())

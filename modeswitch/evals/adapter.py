@@ -53,7 +53,8 @@ class ModeSwitchLM(TemplateLM):
         if not state.available:
             raise RuntimeError(f"mode {mode} is unavailable: {state.reason}")
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
-        self.service = Service(self.pool, Controller(self.pool, policy), model)
+        controller = Controller(self.pool.modes, policy, self.pool.shape.kv_bytes_per_token)
+        self.service = Service(self.pool, controller, model)
         self.tokenizer = self.pool.tokenizer
         self.scorer = self.pool.weights.models[spec.weights]
         self._max_length = max_length
