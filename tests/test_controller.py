@@ -1,5 +1,5 @@
-"""The controller without a model: typed verdicts from every gate, the code a refusal carries, and one
-quality judgement for report and router.
+"""The controller without a model: typed verdicts from every gate, the code a refusal carries, the hook for
+completed requests, and one quality judgement for report and router.
 
 Modes are plain objects with the attributes of ``controller.view.ModeView``: no pool, no engine, no server.
 """
@@ -12,11 +12,14 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from modeswitch.controller.completed import Completed
 from modeswitch.controller.decide import Controller, NoEligibleMode
 from modeswitch.controller.quality import QualityPolicy, judge
 from modeswitch.controller.verdicts import PRECEDENCE, Code, Verdict, most_hopeful
 from modeswitch.evals.gate import mark, render
+from modeswitch.metrics import Metrics
 from test_rules import MODES, feats, policy_from
 
 
@@ -43,6 +46,7 @@ def controller(policy_text: str, *modes: Mode, defined=()) -> Controller:
 
 
 RULES = "rules: []\ndefault: [fp16, gptq]\n"
+LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon: 0}\n"
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
@@ -107,6 +111,41 @@ def test_a_pinned_mode_is_refused_with_its_own_code():
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(), pinned="gptq")
     assert exc.value.code is Code.QUARANTINED and "quarantined for 3 s after: boom" in str(exc.value)
+
+
+# ---------------------------------------------------------------------------------------------- observers
+def finished(mode: str = "fp16", outcome: str = "ok", ttft_s: float | None = 0.1, retried: bool = False,
+             scoring: bool = False) -> Completed:
+    return Completed(mode, feats(), outcome, ttft_s, 0.02, 0.8, 100, 32, 4.0, "estimated", retried, scoring)
+
+
+def test_every_completed_request_reaches_the_observers_and_the_policy_picks_what_it_learns():
+    ctl = controller(LEARNED, Mode("fp16"), Mode("gptq"))
+    seen = []
+    ctl.add_observer(seen.append)
+    records = [finished(), finished(outcome="error"), finished(outcome="cancelled"), finished(retried=True),
+               finished(scoring=True), finished(ttft_s=None), finished(mode="int8"), finished(mode="gptq")]
+    for record in records:
+        ctl.observe(record)
+    assert seen == records
+    observed = {m: model.n for m, model in ctl.policy.models.items()}
+    assert observed == {"fp16": 1, "gptq": 1}  # the clean ones on its own modes
+
+
+def test_metrics_count_completed_requests_through_the_hook():
+    ctl = controller(RULES, Mode("fp16"))
+    metrics = Metrics()
+    ctl.add_observer(metrics.finished)
+    ctl.observe(finished())
+    ctl.observe(finished(outcome="cancelled", ttft_s=None))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    assert samples[("modeswitch_requests_total", (("mode", "fp16"), ("outcome", "ok")))] == 1
+    assert samples[("modeswitch_requests_total", (("mode", "fp16"), ("outcome", "cancelled")))] == 1
+    assert samples[("modeswitch_energy_joules_total", (("mode", "fp16"), ("source", "estimated")))] == 8.0
+    assert samples[("modeswitch_generated_tokens_total", (("mode", "fp16"),))] == 64
+    assert samples[("modeswitch_ttft_seconds_count", (("mode", "fp16"),))] == 1
+    assert samples[("modeswitch_request_seconds_count", (("mode", "fp16"),))] == 2
 
 
 # ---------------------------------------------------------------------------------------------- quality

@@ -1,4 +1,5 @@
-"""The decision pipeline for one request: gates filter modes, the policy chooses, the reason is recorded.
+"""The decision pipeline for one request: gates filter modes, the policy chooses, the reason is recorded;
+and the one hook through which finished requests reach the policy and any other observer.
 
 The controller holds the current policy behind one reference: a reload parses and validates the new
 file completely first and swaps the reference only on success, so a broken file never replaces a
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..yamlconf import ConfigError
+from .completed import Completed, Observer
 from .features import Features
 from .gates import Cycle, gates
 from .rules import RulePolicy, load_policy
@@ -59,6 +61,7 @@ class Controller:
         self.gates = gates(kv_bytes_per_token)
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
+        self._observers: list[Observer] = []
         self._reload_lock = threading.Lock()
 
     def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
@@ -102,12 +105,18 @@ class Controller:
         elapsed = (time.perf_counter() - start) * 1e6
         return Decision(mode, reason, features, filtered, policy.name, elapsed, rule, prediction)
 
-    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
-                energy_j: float | None) -> None:
-        """A request finished well in ``mode``: a learning policy updates its predictors."""
+    def add_observer(self, observer: Observer) -> None:
+        """Have ``observer`` called with every completed request."""
+        self._observers.append(observer)
+
+    def observe(self, completed: Completed) -> None:
+        """A request finished, however it ended: every observer, then a learning policy, get the record (the
+        policy last, so a learner that fails to save its state costs no observer its count)."""
+        for observer in self._observers:
+            observer(completed)
         observe = getattr(self.policy, "observe", None)
         if observe is not None:
-            observe(mode, features, ttft_s, tpot_s, energy_j)
+            observe(completed)
 
     def close(self) -> None:
         """Persist a learning policy's state (server shutdown)."""

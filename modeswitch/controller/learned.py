@@ -41,6 +41,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..yamlconf import Section
+from .completed import Completed
 from .features import Features
 from .quality import QualityPolicy
 from .rules import Choice, EnergyPolicy, MemoryPolicy, Rule
@@ -235,14 +236,16 @@ class LearnedPolicy:
                                            "explore": rule == "explore"})
 
     # ------------------------------------------------------------------ learning
-    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
-                energy_j: float | None) -> None:
-        """Fold a completed request into ``mode``'s models (modes outside the policy are ignored)."""
-        model = self.models.get(mode)
-        if model is None:
+    def observe(self, completed: Completed) -> None:
+        """Fold a completed request into its mode's models. Only clean measurements teach: served well
+        (``ok``), a generation (prompt scoring costs differ), on one mode (a retried request's timings span
+        two), with a first token; modes outside the policy are ignored."""
+        c = completed
+        model = self.models.get(c.mode)
+        if model is None or c.outcome != "ok" or c.scoring or c.retried or c.ttft_s is None:
             return
         with self._lock:
-            model.update(mode, features, ttft_s, tpot_s, energy_j)
+            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j)
             self._since_save += 1
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
