@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .admission import Admission
 from .controller.decide import Controller
-from .controller.rules import load_policy
+from .controller.load import load_policy
 from .memory import MemoryBudgetExceeded, parse_bytes
 from .models import PRESETS, WeightsNotFound, resolve_preset
 from .modes import DEFAULT_MODES_DIR, load_modes

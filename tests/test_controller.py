@@ -1,5 +1,5 @@
 """The controller without a model: typed verdicts from every gate, the code a refusal carries, the hook for
-completed requests, and one quality judgement for report and router.
+completed requests, energy caps through both policy types, and one quality judgement for report and router.
 
 Modes are plain objects with the attributes of ``controller.view.ModeView``: no pool, no engine, no server.
 """
@@ -146,6 +146,25 @@ def test_metrics_count_completed_requests_through_the_hook():
     assert samples[("modeswitch_generated_tokens_total", (("mode", "fp16"),))] == 64
     assert samples[("modeswitch_ttft_seconds_count", (("mode", "fp16"),))] == 1
     assert samples[("modeswitch_request_seconds_count", (("mode", "fp16"),))] == 2
+
+
+# ---------------------------------------------------------------------------------------------- energy caps
+def test_energy_caps_through_both_policy_types():
+    energy = "energy: {max_j_per_token: 2.0, modes: {gptq: 5.0}}\n"
+    rules = policy_from("rules:\n  - name: long\n    when: {max_tokens: {ge: 100}}\n    use: [fp16]\n"
+                        "    energy: {max_j_per_token: 0.5}\ndefault: [fp16, gptq]\n" + energy)
+    learned = policy_from(LEARNED + energy)
+    short, long_ = feats(max_tokens=10), feats(max_tokens=200)
+    for policy in (rules, learned):
+        assert policy.energy_cap("fp16", short) == (2.0, "energy.max_j_per_token")
+        assert policy.energy_cap("gptq", short) == (5.0, "energy.modes.gptq")
+    assert rules.energy_cap("gptq", long_) == (0.5, "rule 'long'")  # the matching rule's cap is tighter
+    assert learned.energy_cap("gptq", long_) == (5.0, "energy.modes.gptq")  # no rules: the energy block alone
+    assert policy_from(LEARNED).energy_cap("fp16", short) is None
+
+    ctl = controller(LEARNED + energy, Mode("fp16", j_per_token=3.0), Mode("gptq", j_per_token=3.0))
+    decision = ctl.decide(short)
+    assert decision.mode == "gptq" and decision.filtered["fp16"].code is Code.ENERGY
 
 
 # ---------------------------------------------------------------------------------------------- quality

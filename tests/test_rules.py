@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from modeswitch.controller.features import Features
-from modeswitch.controller.rules import load_policy, parse_policy
+from modeswitch.controller.load import load_policy, parse_policy
 from modeswitch.controller.verdicts import Code, Verdict
 from modeswitch.modes import load_modes
 from modeswitch.yamlconf import ConfigError, load_yaml

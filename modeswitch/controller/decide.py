@@ -19,7 +19,8 @@ from ..yamlconf import ConfigError
 from .completed import Completed, Observer
 from .features import Features
 from .gates import Cycle, gates
-from .rules import RulePolicy, load_policy
+from .load import load_policy
+from .policy import Policy
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
@@ -49,7 +50,7 @@ class Decision:
 
 
 class Controller:
-    def __init__(self, modes: Mapping[str, ModeView], policy: RulePolicy, kv_bytes_per_token: int = 0,
+    def __init__(self, modes: Mapping[str, ModeView], policy: Policy, kv_bytes_per_token: int = 0,
                  defined_modes: Sequence[str] = ()) -> None:
         """``modes``: the resident modes by name, read at every decision (the registry's live views).
         ``kv_bytes_per_token``: the model's KV size, for the memory gate's estimate of what a request needs.
@@ -110,21 +111,17 @@ class Controller:
         self._observers.append(observer)
 
     def observe(self, completed: Completed) -> None:
-        """A request finished, however it ended: every observer, then a learning policy, get the record (the
+        """A request finished, however it ended: every observer, then the policy, get the record (the
         policy last, so a learner that fails to save its state costs no observer its count)."""
         for observer in self._observers:
             observer(completed)
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:
-            observe(completed)
+        self.policy.observe(completed)
 
     def close(self) -> None:
-        """Persist a learning policy's state (server shutdown)."""
-        save = getattr(self.policy, "save", None)
-        if save is not None:
-            save()
+        """Persist what the policy has learned (server shutdown)."""
+        self.policy.save()
 
-    def _degrade(self, policy: RulePolicy, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
+    def _degrade(self, policy: Policy, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
         """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
         gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
         if features.memory_headroom >= policy.memory.min_headroom:
@@ -145,7 +142,7 @@ class Controller:
         self.quality_report, self.quality_report_path = report, path
         return report
 
-    def reload(self, path: str | Path | None = None) -> RulePolicy:
+    def reload(self, path: str | Path | None = None) -> Policy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""
         with self._reload_lock:
             self.close()  # a learning policy's state is saved first, so reloading its own file keeps what it learned

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 from .features import Features
+from .policy import Policy
 from .quality import judge
-from .rules import RulePolicy
 from .verdicts import Code, Verdict
 from .view import ModeView
 
@@ -24,7 +24,7 @@ class Cycle:
     """One request's filtering: what every gate sees besides the mode."""
 
     features: Features
-    policy: RulePolicy
+    policy: Policy
     quality_report: Mapping | None
 
 
@@ -96,7 +96,7 @@ class QualityGate:
     def __init__(self) -> None:
         self._verdicts: dict = {}
 
-    def verdicts(self, report: Mapping, policy: RulePolicy, family: str) -> dict[str, Verdict | None]:
+    def verdicts(self, report: Mapping, policy: Policy, family: str) -> dict[str, Verdict | None]:
         key = (id(report), id(policy), family)
         if key not in self._verdicts:
             judged = judge(report, policy.quality, family)
@@ -134,29 +134,16 @@ class MemoryGate:
 
 class EnergyGate:
     """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
-    the tightest cap that applies: the policy's, the mode's own, the matching rule's. A mode that has not
-    finished a request yet has no figure and passes: it cannot be judged before it has been tried.
-    The matching rule is found once per request, not once per mode (the controller checks every mode
-    with the same features object)."""
+    the tightest cap the policy sets for it on this request. A mode that has not finished a request yet has
+    no figure and passes: it cannot be judged before it has been tried."""
 
     name = "energy"
-
-    def __init__(self) -> None:
-        self._last_match: tuple = (None, None, None)  # (policy, features, rule); swapped whole, so thread-safe
-
-    def _rule(self, policy, features: Features):
-        last_policy, last_features, rule = self._last_match
-        if last_policy is not policy or last_features is not features:
-            rule = policy.match(features)
-            self._last_match = (policy, features, rule)
-        return rule
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         j = mode.j_per_token
         if j is None:
             return None
-        policy = cycle.policy
-        cap = policy.energy.cap(mode.name, self._rule(policy, cycle.features))
+        cap = cycle.policy.energy_cap(mode.name, cycle.features)
         if cap is not None and j > cap[0]:
             return Verdict(Code.ENERGY, f"energy: {j:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})")
         return None

@@ -43,8 +43,8 @@ import numpy as np
 from ..yamlconf import Section
 from .completed import Completed
 from .features import Features
+from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy
 from .quality import QualityPolicy
-from .rules import Choice, EnergyPolicy, MemoryPolicy, Rule
 from .verdicts import Verdict
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,6 @@ class LearnedPolicy:
     quality: QualityPolicy = QualityPolicy()
     energy: EnergyPolicy = EnergyPolicy()
     memory: MemoryPolicy = MemoryPolicy()
-    rules: tuple[Rule, ...] = ()
     models: dict[str, ModeModel] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -197,9 +196,6 @@ class LearnedPolicy:
                 "state": str(self.state_path) if self.state_path else None}
 
     # ------------------------------------------------------------------ deciding
-    def match(self, features: Features) -> Rule | None:
-        return None  # no rules: caps come from the energy block alone
-
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
         model = self.models[mode]
@@ -234,6 +230,10 @@ class LearnedPolicy:
         reason = f"{what}: {mode} (predicted {latency:.3f} s, {energy:.3g} J; costs: {ranked})"
         return Choice(mode, reason, rule, {"latency_s": round(latency, 5), "energy_j": round(energy, 5),
                                            "explore": rule == "explore"})
+
+    def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
+        """The energy block's caps alone: the learned policy has no per-request caps."""
+        return self.energy.cap(mode)
 
     # ------------------------------------------------------------------ learning
     def observe(self, completed: Completed) -> None:
@@ -290,10 +290,10 @@ def features_from(d: Mapping[str, Any]) -> Features:
     return Features(**{k: v for k, v in d.items() if k in Features.__dataclass_fields__})
 
 
-def parse_learned(sec: Section, source: str, known: set[str], common: dict) -> LearnedPolicy:
-    """``common``: the blocks shared with rule policies (name, description, quality, energy, memory)."""
-    sec.only({"name", "type", "description", "modes", "objective", "explore", "forgetting", "state", "warm_start",
-              "quality", "energy", "memory"})
+def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> LearnedPolicy:
+    """A ``type: learned`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
+    source = sec.source
+    sec.only(COMMON_KEYS | {"modes", "objective", "explore", "forgetting", "state", "warm_start"})
     modes = sec.get("modes", list, sorted(known))
     for m in modes:
         if m not in known:
@@ -327,4 +327,4 @@ def parse_learned(sec: Section, source: str, known: set[str], common: dict) -> L
     if warm is not None and not warm.is_file():
         raise sec.error(f"no such file: {warm}", "warm_start")
     return LearnedPolicy(modes=tuple(modes), w_latency=w_latency, w_energy=w_energy, explore=explore,
-                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, source=source, **common)
+                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, **common)
