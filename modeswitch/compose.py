@@ -20,7 +20,7 @@ from .api.app import create_app
 from .api.context import ApiContext
 from .config import NO_GATE, ServerConfig
 from .controller.decide import Controller
-from .controller.rules import load_policy
+from .controller.load import load_policy
 from .models import resolve_preset
 from .modes import ModeSpec, load_modes
 from .pool import ModePool
@@ -78,7 +78,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
                     engine=load.engine)
     pool.load(progress)
     progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
-    controller = Controller(pool, policy, defined_modes=defined)
+    controller = Controller(pool.modes, policy, pool.shape.kv_bytes_per_token, defined_modes=defined)
     report = gate_report_path(config)
     if report is not None:
         controller.load_quality_report(report)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
+    from .controller.completed import Completed
     from .pool import ModePool
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -102,17 +103,17 @@ class Metrics:
         self.decisions.labels(mode, rule).inc()
         self.decision_seconds.observe(seconds)
 
-    def finished(self, mode: str, outcome: str, prompt_tokens: int, generated: int, seconds: float,
-                 ttft: float | None, energy_j: float = 0.0, energy_source: str = "estimated") -> None:
-        """``outcome``: ok, error (the mode failed it), or cancelled (the client went away).
-        ``energy_source``: measured (NVML) or estimated, kept as a label so the two are never summed together."""
-        self.energy.labels(mode, energy_source).inc(energy_j)
-        self.requests.labels(mode, outcome).inc()
-        self.prompt_tokens.labels(mode).inc(prompt_tokens)
-        self.generated_tokens.labels(mode).inc(generated)
-        self.latency.labels(mode).observe(seconds)
-        if ttft is not None:
-            self.ttft.labels(mode).observe(ttft)
+    def finished(self, c: "Completed") -> None:
+        """A request ended (the controller's observer hook). ``c.outcome``: ok, error (the mode failed it), or
+        cancelled (the client went away). ``c.energy_source``: measured (NVML) or estimated, kept as a label so
+        the two are never summed together."""
+        self.energy.labels(c.mode, c.energy_source).inc(c.energy_j)
+        self.requests.labels(c.mode, c.outcome).inc()
+        self.prompt_tokens.labels(c.mode).inc(c.prompt_tokens)
+        self.generated_tokens.labels(c.mode).inc(c.completion_tokens)
+        self.latency.labels(c.mode).observe(c.latency_s)
+        if c.ttft_s is not None:
+            self.ttft.labels(c.mode).observe(c.ttft_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

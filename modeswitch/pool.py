@@ -102,6 +102,24 @@ class ModeState:
     def in_flight(self) -> int:
         return self.engine.in_flight if self.engine is not None else 0
 
+    # What the controller reads (controller.view.ModeView), from the engine. Without one the mode is
+    # unavailable (the availability gate refuses it first), so these then refuse nothing.
+    @property
+    def max_queue(self) -> int:
+        return self.engine.max_queue if self.engine is not None else self.spec.max_queue
+
+    @property
+    def supports_sampling(self) -> bool:
+        return self.engine is None or self.engine.supports_sampling
+
+    @property
+    def supports_scoring(self) -> bool:
+        return self.engine is None or self.engine.supports_scoring
+
+    @property
+    def preallocated_kv(self) -> bool:
+        return self.engine is None or self.engine.preallocated_kv
+
     def describe(self, engine: str = "transformers") -> dict[str, Any]:
         spec = self.spec
         quarantined = self.available and self.quarantine_left > 0

@@ -12,8 +12,10 @@ import queue
 import time
 from typing import Any, Iterator
 
+from .controller.completed import Completed
 from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
+from .controller.verdicts import Code
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
 from .pool import ModePool, memory_headroom
@@ -121,7 +123,7 @@ class Generation:
                     pool.modes[decision.mode].record_failure(f"submit: {exc}")
                 if self.pinned is not None:
                     raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
-                                         "saturated" if full else "quarantined") from exc
+                                         Code.SATURATED if full else Code.QUARANTINED) from exc
                 self.attempts.append(f"{decision.mode}: {exc}")
                 self._excluded = self._excluded | {decision.mode}
                 continue
@@ -147,20 +149,24 @@ class Generation:
             raise GenerationError(f"mode {self.mode} failed ({error}) and no other mode can retry: {exc}") from None
 
     def _record(self, outcome: str) -> None:
-        """Count the request once in the metrics (ok, error, or cancelled by the client)."""
+        """Report the request once (ok, error, or cancelled by the client) to the controller's observers."""
         if self._recorded:
             return
         self._recorded = True
         end = self.finished_at or time.perf_counter()
-        ttft = self.first_token_at - self.started_at if self.first_token_at is not None else None
-        self.service.metrics.finished(self.mode, outcome, len(self.prompt_ids), self.completion_tokens,
-                                      end - self.started_at, ttft, self.energy_j, self.service.pool.energy.source)
-        if outcome == "ok" and self.params.prompt_logprobs is None:
-            self.service.pool.modes[self.mode].record_energy(self.request.energy_j, self.completion_tokens)
-            if ttft is not None and not self.attempts:
-                n = self.completion_tokens
-                tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
-                self.service.controller.observe(self.mode, self.features, ttft, tpot, self.request.energy_j)
+        ttft = tpot = None
+        n = self.completion_tokens
+        if self.first_token_at is not None:
+            ttft = self.first_token_at - self.started_at
+            tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
+        scoring = self.params.prompt_logprobs is not None
+        if outcome == "ok" and not scoring:
+            self.service.pool.modes[self.mode].record_energy(self.request.energy_j, n)
+        self.service.controller.observe(Completed(
+            mode=self.mode, features=self.features, outcome=outcome, ttft_s=ttft, tpot_s=tpot,
+            latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,
+            energy_j=self.energy_j, energy_source=self.service.pool.energy.source, retried=bool(self.attempts),
+            scoring=scoring))
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -278,6 +284,7 @@ class Service:
         self.model_name = model_name
         self.tokenizer = pool.tokenizer
         self.metrics = Metrics(pool)
+        controller.add_observer(self.metrics.finished)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)

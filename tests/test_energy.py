@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from modeswitch.controller.decide import Controller, NoEligibleMode
+from modeswitch.controller.verdicts import Code
 from modeswitch.energy import HARDWARE, ESTIMATED, EnergyAccountant, EstimatingMeter, Share, StepCost
 from modeswitch.models import PRESETS
 from modeswitch.modes import load_modes
@@ -112,7 +113,7 @@ def gated_controller(text: str) -> Controller:
     pool = ModePool(PRESETS["demo"], modes, device="cpu")
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
-    return Controller(pool, policy_from(text))
+    return Controller(pool.modes, policy_from(text))
 
 
 def test_energy_gate_filters_modes_over_their_cap():
@@ -120,7 +121,7 @@ def test_energy_gate_filters_modes_over_their_cap():
         "rules:\n  - name: long\n    when: {max_tokens: {ge: 100}}\n    use: [gptq, int8, fp16]\n"
         "    energy: {max_j_per_token: 0.5}\n"
         "default: [gptq, int8, fp16]\nenergy: {max_j_per_token: 2.0, modes: {int8: 5.0}}\n")
-    modes = controller.pool.modes
+    modes = controller.modes
     # no figures yet: nothing to judge, the policy's first choice
     assert controller.decide(feats()).mode == "gptq"
     modes["gptq"].record_energy(30.0, 10)   # 3 J/token: over the global 2.0
@@ -128,7 +129,8 @@ def test_energy_gate_filters_modes_over_their_cap():
     modes["fp16"].record_energy(10.0, 10)   # 1 J/token
     decision = controller.decide(feats())
     assert decision.mode == "int8"
-    assert decision.filtered["gptq"].startswith("energy: 3 J/token over the cap of 2 (energy.max_j_per_token)")
+    assert decision.filtered["gptq"].code is Code.ENERGY
+    assert str(decision.filtered["gptq"]).startswith("energy: 3 J/token over the cap of 2 (energy.max_j_per_token)")
     # a matching rule's cap is tighter still: only modes under 0.5 J/token; none is, so nothing is eligible
     with pytest.raises(NoEligibleMode):
         controller.decide(feats(max_tokens=200))
@@ -137,7 +139,7 @@ def test_energy_gate_filters_modes_over_their_cap():
     for _ in range(3):
         modes["fp16"].record_energy(0.0, 10)
     decision = controller.decide(feats(max_tokens=200))
-    assert decision.mode == "fp16" and "(rule 'long')" in decision.filtered["int8"]
+    assert decision.mode == "fp16" and "(rule 'long')" in str(decision.filtered["int8"])
 
 
 def test_energy_gate_matches_the_rules_once_per_request(monkeypatch):
@@ -145,7 +147,7 @@ def test_energy_gate_matches_the_rules_once_per_request(monkeypatch):
     choice and once by the gate, not once per mode."""
     controller = gated_controller("rules: []\ndefault: [gptq, int8, fp16]\nenergy: {max_j_per_token: 2.0}\n")
     for name in ("gptq", "int8", "fp16"):
-        controller.pool.modes[name].record_energy(1.0, 10)
+        controller.modes[name].record_energy(1.0, 10)
     calls = []
     policy_type = type(controller.policy)
     original = policy_type.match

@@ -10,6 +10,7 @@ import random
 import pytest
 import requests
 
+from modeswitch.controller.completed import Completed
 from modeswitch.controller.learned import LearnedPolicy, OnlineLinear, tpot_x, ttft_x
 from modeswitch.launcher import start_server
 from modeswitch.yamlconf import ConfigError
@@ -29,8 +30,14 @@ def learned(text: str = "", **kw) -> LearnedPolicy:
     return policy_from("type: learned\nmodes: [prefix_cache, fp16, gptq]\n" + text, **kw)
 
 
+def served(mode: str, f, ttft: float, tpot: float, energy_j: float) -> Completed:
+    """A request that went well on ``mode``, as the service reports it."""
+    return Completed(mode, f, "ok", ttft, tpot, ttft + (f.max_tokens - 1) * tpot, f.prompt_tokens, f.max_tokens,
+                     energy_j, "estimated", retried=False, scoring=False)
+
+
 def teach(policy: LearnedPolicy, mode: str, f, seconds_per_token: float, ttft: float = 0.1) -> None:
-    policy.observe(mode, f, ttft, seconds_per_token, energy_j=65 * (ttft + f.max_tokens * seconds_per_token))
+    policy.observe(served(mode, f, ttft, seconds_per_token, energy_j=65 * (ttft + f.max_tokens * seconds_per_token)))
 
 
 def test_latency_written_out_equals_the_models_dot_products():
@@ -74,9 +81,9 @@ def test_energy_objective_changes_the_choice():
     nrg = learned("explore: {min_samples: 0, epsilon: 0}\nobjective: {energy: 1.0}\n")
     for p in (lat, nrg):
         for _ in range(5):
-            p.observe("fp16", f, 0.1, 0.02, energy_j=50.0)   # fast, hungry
-            p.observe("gptq", f, 0.1, 0.03, energy_j=20.0)   # slower, frugal
-            p.observe("prefix_cache", f, 0.1, 0.2, energy_j=200.0)
+            p.observe(served("fp16", f, 0.1, 0.02, energy_j=50.0))   # fast, hungry
+            p.observe(served("gptq", f, 0.1, 0.03, energy_j=20.0))   # slower, frugal
+            p.observe(served("prefix_cache", f, 0.1, 0.2, energy_j=200.0))
     assert lat.choose(f, {}).mode == "fp16" and nrg.choose(f, {}).mode == "gptq"
 
 

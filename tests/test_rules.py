@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from modeswitch.controller.features import Features
-from modeswitch.controller.rules import load_policy, parse_policy
+from modeswitch.controller.load import load_policy, parse_policy
+from modeswitch.controller.verdicts import Code, Verdict
 from modeswitch.modes import load_modes
 from modeswitch.yamlconf import ConfigError, load_yaml
 
@@ -92,10 +93,10 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
     policy = load_policy(ROOT / "policies" / "paper.yaml", [m.name for m in modes])
-    controller = Controller(pool, policy, defined_modes=[m.name for m in modes])
+    controller = Controller(pool.modes, policy, defined_modes=[m.name for m in modes])
     decision = controller.decide(feats(queue_depth=9))  # many-concurrent: neither CB mode is loaded
     assert decision.mode == "fp16"
-    assert decision.filtered["continuous_batching"] == "not loaded (--modes)"
+    assert decision.filtered["continuous_batching"] == Verdict(Code.NOT_LOADED, "not loaded (--modes)")
     assert "continuous_batching: not loaded (--modes)" in decision.reason
 
 
@@ -113,7 +114,7 @@ def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
                         "gptq": {"cloze": {"value": 0.79}, "ppl": {"value": 140.0}}}}
     text = ("rules: []\ndefault: [gptq, int8, fp16]\nquality: {max_drop_pp: 2, max_ppl_increase_pct: 10, "
             "families: {cloze_only: [cloze]}}\n")
-    controller = Controller(pool, policy_from(text))
+    controller = Controller(pool.modes, policy_from(text))
     controller.quality_report = report
     general = controller.decide(feats())
     assert general.mode == "int8"  # gptq fails on perplexity (+40 %); int8 is not in the report: allowed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from flask import jsonify
 
+from ..controller.verdicts import Code
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
          500: "server_error", 503: "server_error"}
@@ -33,19 +35,15 @@ class ApiError(Exception):
 
 RETRY_AFTER_S = 1
 
-#: Why no mode could take a request -> (HTTP status, error code). Transient reasons (waiting helps) answer
-#: 503 with Retry-After; anything else is 503 without it, or 400 when the request pinned that mode.
-NO_MODE_STATUS = {
-    "saturated": (503, "overloaded"),
-    "quarantined": (503, "mode_quarantined"),
-    "memory": (503, "insufficient_memory"),
-    "unavailable": (503, "no_eligible_mode"),
-}
+#: The error code of a 503 by why no mode could take the request (the controller's verdict codes); any
+#: other code answers ``no_eligible_mode``. Every 503 says when to retry.
+NO_MODE_CODES = {Code.SATURATED: "overloaded", Code.QUARANTINED: "mode_quarantined", Code.MEMORY: "insufficient_memory"}
 
 
 def no_eligible_mode(exc, pinned: bool) -> ApiError:
-    """The answer to a :class:`~modeswitch.controller.decide.NoEligibleMode`, from the table above."""
-    if pinned and exc.code == "unavailable":
+    """The answer to a :class:`~modeswitch.controller.decide.NoEligibleMode`: a pinned mode refused for a
+    reason waiting cannot cure (unavailable here, not capable, failing a gate) is the request's fault, 400;
+    anything else is 503 with Retry-After."""
+    if pinned and not exc.code.transient:
         return ApiError(400, str(exc), param="mode", code="mode_unavailable")
-    status, code = NO_MODE_STATUS[exc.code]
-    return ApiError(status, str(exc), code=code, retry_after=RETRY_AFTER_S)
+    return ApiError(503, str(exc), code=NO_MODE_CODES.get(exc.code, "no_eligible_mode"), retry_after=RETRY_AFTER_S)

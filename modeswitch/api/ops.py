@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..controller.gates import judge
+from ..controller.quality import judge
 from .context import ctx
 from .errors import ApiError
 from .generation import body

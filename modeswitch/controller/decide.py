@@ -1,4 +1,5 @@
-"""The decision pipeline for one request: gates filter modes, the policy chooses, the reason is recorded.
+"""The decision pipeline for one request: gates filter modes, the policy chooses, the reason is recorded;
+and the one hook through which finished requests reach the policy and any other observer.
 
 The controller holds the current policy behind one reference: a reload parses and validates the new
 file completely first and swaps the reference only on success, so a broken file never replaces a
@@ -14,28 +15,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..pool import ModePool
-from .features import Features
 from ..yamlconf import ConfigError
-from .gates import DEFAULT_GATES, EnergyGate, Gate, MemoryGate, QualityGate
-from .rules import RulePolicy, load_policy
+from .completed import Completed, Observer
+from .features import Features
+from .gates import Cycle, gates
+from .load import load_policy
+from .policy import Policy
+from .verdicts import Code, Verdict, most_hopeful
+from .view import ModeView
+
+_NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
+_EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
 
 
 class NoEligibleMode(RuntimeError):
-    """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help:
-    ``saturated``, ``quarantined`` or ``memory`` (temporary), ``unavailable`` (not for this request / not here)."""
+    """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help
+    (``code.transient``); with several verdicts, the one :func:`most_hopeful` picks."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: Code) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _code(reasons: list[str]) -> str:
-    """The most hopeful reason among the gates' answers: waiting helps for saturation and quarantine."""
-    for prefix, code in (("saturated", "saturated"), ("quarantined", "quarantined"), ("memory pressure", "memory")):
-        if any(r.startswith(prefix) for r in reasons):
-            return code
-    return "unavailable"
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Decision:
     mode: str
     reason: str
     features: Features
-    filtered: Mapping[str, str] = field(default_factory=dict)
+    filtered: Mapping[str, Verdict] = field(default_factory=dict)
     policy: str = ""
     decision_us: float = 0.0
     rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
@@ -51,74 +50,83 @@ class Decision:
 
 
 class Controller:
-    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES,
+    def __init__(self, modes: Mapping[str, ModeView], policy: Policy, kv_bytes_per_token: int = 0,
                  defined_modes: Sequence[str] = ()) -> None:
-        """``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
-        self.pool = pool
+        """``modes``: the resident modes by name, read at every decision (the registry's live views).
+        ``kv_bytes_per_token``: the model's KV size, for the memory gate's estimate of what a request needs.
+        ``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
+        self.modes = modes
         self.policy = policy
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
-        self.gates = (*gates, QualityGate(self), MemoryGate(self), EnergyGate(self))
-        self.defined_modes = tuple(dict.fromkeys([*defined_modes, *pool.modes]))
-        self._not_loaded = {m: "not loaded (--modes)" for m in self.defined_modes if m not in pool.modes}
+        self.gates = gates(kv_bytes_per_token)
+        self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
+        self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
+        self._observers: list[Observer] = []
         self._reload_lock = threading.Lock()
 
-    def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, str]:
-        """Modes a gate rejects for this request, with the first gate's reason."""
-        filtered: dict[str, str] = dict(self._not_loaded)
-        for name, state in self.pool.modes.items():
+    def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
+        """Modes a gate rejects for this request, with the first gate's verdict."""
+        return self._filter(Cycle(features, self.policy, self.quality_report), exclude)
+
+    def _filter(self, cycle: Cycle, exclude: frozenset[str]) -> dict[str, Verdict]:
+        filtered: dict[str, Verdict] = dict(self._not_loaded)
+        for name, mode in self.modes.items():
             if name in exclude:
-                filtered[name] = "excluded after a failed attempt"
+                filtered[name] = _EXCLUDED
                 continue
             for gate in self.gates:
-                why = gate.check(state, features)
-                if why is not None:
-                    filtered[name] = why
+                verdict = gate.check(mode, cycle)
+                if verdict is not None:
+                    filtered[name] = verdict
                     break
         return filtered
 
     def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
         start = time.perf_counter()
-        policy = self.policy
-        filtered = self.filter(features, exclude)
+        cycle = Cycle(features, self.policy, self.quality_report)
+        policy = cycle.policy
+        filtered = self._filter(cycle, exclude)
         if pinned is not None:
             if pinned in filtered:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
-                                     _code([filtered[pinned]]))
+                                     filtered[pinned].code)
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
             choice = policy.choose(features, filtered)
-            if choice.mode is None and (spare := self._degrade(features, filtered)) is not None:
+            if choice.mode is None and (spare := self._degrade(policy, features, filtered)) is not None:
                 prediction = None
                 mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
                                             f"{spare} (its KV is reserved at start)", "memory-degrade"
             elif choice.mode is None:
-                raise NoEligibleMode(choice.reason, _code(list(filtered.values())))
+                raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
             else:
                 mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
                 prediction = choice.prediction
         elapsed = (time.perf_counter() - start) * 1e6
         return Decision(mode, reason, features, filtered, policy.name, elapsed, rule, prediction)
 
-    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
-                energy_j: float | None) -> None:
-        """A request finished well in ``mode``: a learning policy updates its predictors."""
-        observe = getattr(self.policy, "observe", None)
-        if observe is not None:
-            observe(mode, features, ttft_s, tpot_s, energy_j)
+    def add_observer(self, observer: Observer) -> None:
+        """Have ``observer`` called with every completed request."""
+        self._observers.append(observer)
+
+    def observe(self, completed: Completed) -> None:
+        """A request finished, however it ended: every observer, then the policy, get the record (the
+        policy last, so a learner that fails to save its state costs no observer its count)."""
+        for observer in self._observers:
+            observer(completed)
+        self.policy.observe(completed)
 
     def close(self) -> None:
-        """Persist a learning policy's state (server shutdown)."""
-        save = getattr(self.policy, "save", None)
-        if save is not None:
-            save()
+        """Persist what the policy has learned (server shutdown)."""
+        self.policy.save()
 
-    def _degrade(self, features: Features, filtered: Mapping[str, str]) -> str | None:
+    def _degrade(self, policy: Policy, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
         """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
         gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
-        if features.memory_headroom >= self.policy.memory.min_headroom:
+        if features.memory_headroom >= policy.memory.min_headroom:
             return None
-        return next((name for name in self.pool.modes if name not in filtered), None)
+        return next((name for name in self.modes if name not in filtered), None)
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
         """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""
@@ -134,7 +142,7 @@ class Controller:
         self.quality_report, self.quality_report_path = report, path
         return report
 
-    def reload(self, path: str | Path | None = None) -> RulePolicy:
+    def reload(self, path: str | Path | None = None) -> Policy:
         """Load ``path`` (default: the current policy's file) and switch to it; on any error keep the old one."""
         with self._reload_lock:
             self.close()  # a learning policy's state is saved first, so reloading its own file keeps what it learned

@@ -1,22 +1,37 @@
-"""Gates: filters that remove modes a request must not go to, each with the reason it gives.
+"""Gates: filters that remove modes a request must not go to, each answering with a typed verdict.
 
-A gate answers ``None`` (pass) or a short reason. The controller applies them all before the policy
-chooses, so a policy can never route around one. The policy-driven gates (quality, energy, memory) read
-the controller's current policy on every check, so a reloaded policy applies to the next request.
+A gate answers ``None`` (pass) or a :class:`Verdict`. The controller applies them all before the policy
+chooses, so a policy can never route around one. The gates that depend on the policy (quality, memory,
+energy) read it from the :class:`Cycle`, the state of one request's filtering: the policy and quality
+report as they were when the request was decided, so a reload applies to the next request and never to
+half of this one's modes.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Mapping, Protocol
 
-from ..pool import ModeState
 from .features import Features
+from .policy import Policy
+from .quality import judge
+from .verdicts import Code, Verdict
+from .view import ModeView
+
+
+@dataclass(frozen=True, slots=True)
+class Cycle:
+    """One request's filtering: what every gate sees besides the mode."""
+
+    features: Features
+    policy: Policy
+    quality_report: Mapping | None
 
 
 class Gate(Protocol):
     name: str
 
-    def check(self, mode: ModeState, features: Features) -> str | None: ...
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None: ...
 
 
 class AvailableGate:
@@ -24,19 +39,24 @@ class AvailableGate:
 
     name = "available"
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        return None if mode.available else f"unavailable: {mode.reason}"
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        return None if mode.available else Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
 
 
-class CapacityGate:
-    """The mode's bounded queue has room; full queues are what turns into 503 when every mode is full."""
+class QuarantineGate:
+    """The mode has not failed a request recently (the registry sets the backoff)."""
 
-    name = "capacity"
+    name = "quarantine"
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        if mode.engine is not None and mode.engine.in_flight >= mode.engine.max_queue:
-            return f"saturated: {mode.engine.in_flight}/{mode.engine.max_queue} in flight"
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        left = mode.quarantine_left
+        if left > 0:
+            return Verdict(Code.QUARANTINED, f"quarantined for {left:.0f} s after: {mode.last_error}")
         return None
+
+
+_GREEDY_ONLY = Verdict(Code.CAPABILITY, "serves greedy requests only (temperature 0)")
+_NO_SCORING = Verdict(Code.CAPABILITY, "cannot return prompt logprobs")
 
 
 class CapabilityGate:
@@ -44,26 +64,27 @@ class CapabilityGate:
 
     name = "capability"
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        if mode.engine is None:
-            return None
-        if not features.greedy and not mode.engine.supports_sampling:
-            return "serves greedy requests only (temperature 0)"
-        if features.scoring and not mode.engine.supports_scoring:
-            return "cannot return prompt logprobs"
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        if not cycle.features.greedy and not mode.supports_sampling:
+            return _GREEDY_ONLY
+        if cycle.features.scoring and not mode.supports_scoring:
+            return _NO_SCORING
         return None
 
 
-class QuarantineGate:
-    """The mode has not failed a request recently (see ModeState.record_failure for the backoff)."""
+class CapacityGate:
+    """The mode's bounded queue has room; when every mode is full, waiting helps."""
 
-    name = "quarantine"
+    name = "capacity"
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        left = mode.quarantine_left
-        if left > 0:
-            return f"quarantined for {left:.0f} s after: {mode.last_error}"
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        if mode.in_flight >= mode.max_queue:
+            return Verdict(Code.SATURATED, f"saturated: {mode.in_flight}/{mode.max_queue} in flight")
         return None
+
+
+_NO_REPORT = Verdict(Code.QUALITY, "no quality gate report (require_gate)")
+_NOT_IN_REPORT = Verdict(Code.QUALITY, "not in the quality gate report (require_gate)")
 
 
 class QualityGate:
@@ -72,56 +93,25 @@ class QualityGate:
 
     name = "quality"
 
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self) -> None:
         self._verdicts: dict = {}
 
-    def verdicts(self, family: str) -> dict[str, str | None]:
-        report, policy = self.controller.quality_report, self.controller.policy
+    def verdicts(self, report: Mapping, policy: Policy, family: str) -> dict[str, Verdict | None]:
         key = (id(report), id(policy), family)
         if key not in self._verdicts:
-            self._verdicts = {key: judge(report, policy.quality, family)}  # older keys are stale
+            judged = judge(report, policy.quality, family)
+            self._verdicts = {key: {mode: None if why is None else Verdict(Code.QUALITY, why)
+                                    for mode, why in judged.items()}}  # older keys are stale
         return self._verdicts[key]
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        quality = self.controller.policy.quality
-        report = self.controller.quality_report
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        quality, report = cycle.policy.quality, cycle.quality_report
         if report is None:
-            return "no quality gate report (require_gate)" if quality.require_gate else None
-        verdict = self.verdicts(features.task).get(mode.name, "missing")
-        if verdict == "missing":
-            return "not in the quality gate report (require_gate)" if quality.require_gate else None
-        return verdict
-
-
-class EnergyGate:
-    """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
-    the tightest cap that applies: the policy's, the mode's own, the matching rule's. A mode that has not
-    finished a request yet has no figure and passes: it cannot be judged before it has been tried.
-    The matching rule is found once per request, not once per mode (the controller checks every mode
-    with the same features object)."""
-
-    name = "energy"
-
-    def __init__(self, controller) -> None:
-        self.controller = controller
-        self._last_match: tuple = (None, None, None)  # (policy, features, rule); swapped whole, so thread-safe
-
-    def _rule(self, policy, features: Features):
-        last_policy, last_features, rule = self._last_match
-        if last_policy is not policy or last_features is not features:
-            rule = policy.match(features)
-            self._last_match = (policy, features, rule)
-        return rule
-
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        if mode.j_per_token is None:
-            return None
-        policy = self.controller.policy
-        cap = policy.energy.cap(mode.name, self._rule(policy, features))
-        if cap is not None and mode.j_per_token > cap[0]:
-            return f"energy: {mode.j_per_token:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})"
-        return None
+            return _NO_REPORT if quality.require_gate else None
+        verdicts = self.verdicts(report, cycle.policy, cycle.features.task)
+        if mode.name not in verdicts:
+            return _NOT_IN_REPORT if quality.require_gate else None
+        return verdicts[mode.name]
 
 
 class MemoryGate:
@@ -130,40 +120,36 @@ class MemoryGate:
 
     name = "memory"
 
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self, kv_bytes_per_token: int) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token
 
-    def check(self, mode: ModeState, features: Features) -> str | None:
-        floor = self.controller.policy.memory.min_headroom
-        if features.memory_headroom >= floor or mode.engine is None or mode.engine.preallocated_kv:
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        floor, f = cycle.policy.memory.min_headroom, cycle.features
+        if f.memory_headroom >= floor or mode.preallocated_kv:
             return None
-        shape = self.controller.pool.shape
-        need = shape.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens) if shape else 0
-        return (f"memory pressure: {features.memory_headroom:.1%} free < {floor:.1%}, and this mode would "
-                f"allocate ~{need / 2**20:.1f} MiB of KV for the request")
+        need = self.kv_bytes_per_token * (f.prompt_tokens + f.max_tokens)
+        return Verdict(Code.MEMORY, f"memory pressure: {f.memory_headroom:.1%} free < {floor:.1%}, and this mode "
+                                    f"would allocate ~{need / 2**20:.1f} MiB of KV for the request")
 
 
-def judge(report: dict | None, quality, family: str) -> dict[str, str | None]:
-    """Per mode in the report: None if it passes for ``family``, else why it fails."""
-    if report is None:
-        return {}
-    base = report["modes"].get("fp16", {})
-    tasks = [t for t in quality.tasks_for(family, report["tasks"]) if t in report["tasks"]]
-    verdicts: dict[str, str | None] = {}
-    for mode, per_task in report["modes"].items():
-        failures = []
-        for task in tasks:
-            if task not in per_task or task not in base:
-                continue
-            value, ref = per_task[task]["value"], base[task]["value"]
-            if report["tasks"][task]["higher_is_better"]:
-                drop = (ref - value) * 100
-                if drop > quality.max_drop_pp:
-                    failures.append(f"{task} -{drop:.1f} pp")
-            elif (value / ref - 1) * 100 > quality.max_ppl_increase_pct:
-                failures.append(f"{task} +{(value / ref - 1) * 100:.1f} %")
-        verdicts[mode] = f"fails the quality gate ({', '.join(failures)})" if failures else None
-    return verdicts
+class EnergyGate:
+    """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
+    the tightest cap the policy sets for it on this request. A mode that has not finished a request yet has
+    no figure and passes: it cannot be judged before it has been tried."""
+
+    name = "energy"
+
+    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
+        j = mode.j_per_token
+        if j is None:
+            return None
+        cap = cycle.policy.energy_cap(mode.name, cycle.features)
+        if cap is not None and j > cap[0]:
+            return Verdict(Code.ENERGY, f"energy: {j:.4g} J/token over the cap of {cap[0]:g} ({cap[1]})")
+        return None
 
 
-DEFAULT_GATES: tuple[Gate, ...] = (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate())
+def gates(kv_bytes_per_token: int) -> tuple[Gate, ...]:
+    """Every gate, in the order they are asked (the first verdict is the one a mode is filtered with)."""
+    return (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate(), QualityGate(),
+            MemoryGate(kv_bytes_per_token), EnergyGate())

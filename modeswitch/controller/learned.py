@@ -41,8 +41,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..yamlconf import Section
+from .completed import Completed
 from .features import Features
-from .rules import Choice, EnergyPolicy, MemoryPolicy, QualityPolicy, Rule
+from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy
+from .quality import QualityPolicy
+from .verdicts import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,6 @@ class LearnedPolicy:
     quality: QualityPolicy = QualityPolicy()
     energy: EnergyPolicy = EnergyPolicy()
     memory: MemoryPolicy = MemoryPolicy()
-    rules: tuple[Rule, ...] = ()
     models: dict[str, ModeModel] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -194,16 +196,13 @@ class LearnedPolicy:
                 "state": str(self.state_path) if self.state_path else None}
 
     # ------------------------------------------------------------------ deciding
-    def match(self, features: Features) -> Rule | None:
-        return None  # no rules: caps come from the energy block alone
-
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
         model = self.models[mode]
         cost = self.w_latency * model.latency(mode, f) if self.w_latency else 0.0
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
-    def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
+    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
         eligible = [m for m in self.modes if m not in filtered]
         if not eligible:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)
@@ -232,15 +231,21 @@ class LearnedPolicy:
         return Choice(mode, reason, rule, {"latency_s": round(latency, 5), "energy_j": round(energy, 5),
                                            "explore": rule == "explore"})
 
+    def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
+        """The energy block's caps alone: the learned policy has no per-request caps."""
+        return self.energy.cap(mode)
+
     # ------------------------------------------------------------------ learning
-    def observe(self, mode: str, features: Features, ttft_s: float, tpot_s: float | None,
-                energy_j: float | None) -> None:
-        """Fold a completed request into ``mode``'s models (modes outside the policy are ignored)."""
-        model = self.models.get(mode)
-        if model is None:
+    def observe(self, completed: Completed) -> None:
+        """Fold a completed request into its mode's models. Only clean measurements teach: served well
+        (``ok``), a generation (prompt scoring costs differ), on one mode (a retried request's timings span
+        two), with a first token; modes outside the policy are ignored."""
+        c = completed
+        model = self.models.get(c.mode)
+        if model is None or c.outcome != "ok" or c.scoring or c.retried or c.ttft_s is None:
             return
         with self._lock:
-            model.update(mode, features, ttft_s, tpot_s, energy_j)
+            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j)
             self._since_save += 1
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
@@ -285,10 +290,10 @@ def features_from(d: Mapping[str, Any]) -> Features:
     return Features(**{k: v for k, v in d.items() if k in Features.__dataclass_fields__})
 
 
-def parse_learned(sec: Section, source: str, known: set[str], common: dict) -> LearnedPolicy:
-    """``common``: the blocks shared with rule policies (name, description, quality, energy, memory)."""
-    sec.only({"name", "type", "description", "modes", "objective", "explore", "forgetting", "state", "warm_start",
-              "quality", "energy", "memory"})
+def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> LearnedPolicy:
+    """A ``type: learned`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
+    source = sec.source
+    sec.only(COMMON_KEYS | {"modes", "objective", "explore", "forgetting", "state", "warm_start"})
     modes = sec.get("modes", list, sorted(known))
     for m in modes:
         if m not in known:
@@ -322,4 +327,4 @@ def parse_learned(sec: Section, source: str, known: set[str], common: dict) -> L
     if warm is not None and not warm.is_file():
         raise sec.error(f"no such file: {warm}", "warm_start")
     return LearnedPolicy(modes=tuple(modes), w_latency=w_latency, w_energy=w_energy, explore=explore,
-                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, source=source, **common)
+                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, **common)

@@ -22,12 +22,15 @@ few attribute reads and comparisons.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ..yamlconf import ConfigError, Section, load_yaml
+from ..yamlconf import Section
+from .completed import Completed
 from .features import FEATURE_DOCS, Features
+from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy, positive
+from .quality import QualityPolicy
+from .verdicts import Verdict
 
 OPERATORS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
              "ne": operator.ne}
@@ -71,56 +74,21 @@ class Rule:
                 return False
         return True
 
-
-@dataclass(frozen=True)
-class Choice:
-    mode: str | None
-    reason: str
-    rule: str | None
-    prediction: Mapping[str, Any] | None = None  # what a learned policy expected of the mode it chose
+    @property
+    def energy_cap(self) -> tuple[float, str] | None:
+        """The rule's own J/token cap and its label, for :meth:`EnergyPolicy.cap`."""
+        return None if self.max_j_per_token is None else (self.max_j_per_token, f"rule {self.name!r}")
 
 
-@dataclass(frozen=True)
-class QualityPolicy:
-    """How the quality gate reads a gate report: tolerances, whether modes without one are refused, and
-    which tasks make up each task family a request may name (``general``, and unknown families: all)."""
+class _LastMatch:
+    """The rule matched for the last features object seen. The energy gate asks for every mode with the
+    same features object; walking the rules once per request, not once per mode, keeps decisions cheap.
+    The pair is swapped whole, so concurrent requests never see one request's features with another's rule."""
 
-    max_drop_pp: float = 1.0
-    max_ppl_increase_pct: float = 10.0
-    require_gate: bool = False
-    families: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    __slots__ = ("pair",)
 
-    def tasks_for(self, family: str, available: Iterable[str]) -> tuple[str, ...]:
-        return dict(self.families).get(family) or tuple(available)
-
-
-@dataclass(frozen=True)
-class EnergyPolicy:
-    """Caps on a mode's running J per generated token: one for every mode, and tighter or looser ones per
-    mode; a matching rule's own cap applies on top. The tightest cap that applies wins."""
-
-    max_j_per_token: float | None = None
-    modes: tuple[tuple[str, float], ...] = ()
-
-    def cap(self, mode: str, rule: Rule | None) -> tuple[float, str] | None:
-        """The tightest cap for ``mode`` under ``rule`` and where it comes from, or None when uncapped."""
-        caps = []
-        per_mode = dict(self.modes).get(mode)
-        if per_mode is not None:
-            caps.append((per_mode, f"energy.modes.{mode}"))
-        elif self.max_j_per_token is not None:
-            caps.append((self.max_j_per_token, "energy.max_j_per_token"))
-        if rule is not None and rule.max_j_per_token is not None:
-            caps.append((rule.max_j_per_token, f"rule {rule.name!r}"))
-        return min(caps) if caps else None
-
-
-@dataclass(frozen=True)
-class MemoryPolicy:
-    """Below ``min_headroom`` (free fraction of device memory) a request may only go to modes whose KV is
-    reserved at start (continuous batching's block pool, static caches): they allocate nothing new."""
-
-    min_headroom: float = 0.05
+    def __init__(self) -> None:
+        self.pair: tuple[Features | None, Rule | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +102,7 @@ class RulePolicy:
     quality: QualityPolicy = QualityPolicy()
     energy: EnergyPolicy = EnergyPolicy()
     memory: MemoryPolicy = MemoryPolicy()
+    _last_match: _LastMatch = field(default_factory=_LastMatch, init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it."""
@@ -149,7 +118,7 @@ class RulePolicy:
                 return r
         return None
 
-    def choose(self, features: Features, filtered: Mapping[str, str]) -> Choice:
+    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
         """The first mode of the matching rule's list (then the fallback list) that no gate filtered."""
         rule = self.match(features)
         if rule is not None:
@@ -167,6 +136,20 @@ class RulePolicy:
                 return Choice(name, f"{why} -> {name}{via}{tail}", rule.name if rule else None)
             skipped.append(f"{name}: {blocked}")
         return Choice(None, f"{why}; no eligible mode: {'; '.join(skipped)}", rule.name if rule else None)
+
+    def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
+        """The policy's caps on ``mode``, and the matching rule's for this request."""
+        last_features, rule = self._last_match.pair
+        if last_features is not features:
+            rule = self.match(features)
+            self._last_match.pair = (features, rule)
+        return self.energy.cap(mode, rule.energy_cap if rule is not None else None)
+
+    def observe(self, completed: Completed) -> None:
+        """Rules do not learn."""
+
+    def save(self) -> None:
+        """Nothing learned, nothing to save."""
 
 
 def _unique(names: Iterable[str]) -> list[str]:
@@ -186,23 +169,10 @@ def _mode_list(sec: Section, key: str, known: set[str], default=None) -> tuple[s
     return tuple(names)
 
 
-def parse_policy(data, source: str, known_modes: Iterable[str]):
-    """A :class:`RulePolicy` (``type: rules``, the default) or a learned one (``type: learned``)."""
-    known = set(known_modes)
-    sec = Section(data, source)
-    kind = sec.get("type", str, "rules", ("rules", "learned"))
-    common = dict(
-        name=sec.get("name", str, Path(source).stem),
-        description=sec.get("description", str, ""),
-        quality=_quality(sec.section("quality", None)),
-        energy=_energy(sec.section("energy", None), known),
-        memory=_memory(sec.section("memory", None)),
-    )
-    if kind == "learned":
-        from .learned import parse_learned
-
-        return parse_learned(sec, source, known, common)
-    sec.only({"name", "type", "description", "rules", "default", "fallback", "quality", "energy", "memory"})
+def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePolicy:
+    """A ``type: rules`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
+    source = sec.source
+    sec.only(COMMON_KEYS | {"rules", "default", "fallback"})
     rules = []
     raw_rules = sec.get("rules", list, [])
     for i, raw in enumerate(raw_rules):
@@ -224,69 +194,12 @@ def parse_policy(data, source: str, known_modes: Iterable[str]):
         cap = None
         if energy is not None:
             energy.only({"max_j_per_token"})
-            cap = _positive(energy, "max_j_per_token", None)
+            cap = positive(energy, "max_j_per_token", None)
         rules.append(Rule(name, tuple(conditions), _mode_list(rsec, "use", known),
                           rsec.get("prefer", str, None, PREFER), cap))
     return RulePolicy(
         rules=tuple(rules),
         default=_mode_list(sec, "default", known),
         fallback=_mode_list(sec, "fallback", known, []),
-        source=source,
         **common,
     )
-
-
-def _positive(sec: Section, key: str, default):
-    value = sec.get(key, (int, float), default)
-    if value is not None and value <= 0:
-        raise sec.error(f"must be positive, got {value}", key)
-    return None if value is None else float(value)
-
-
-def _energy(sec: Section | None, known: set[str]) -> EnergyPolicy:
-    if sec is None:
-        return EnergyPolicy()
-    sec.only({"max_j_per_token", "modes"})
-    modes = sec.section("modes", Section({}, sec.source, "energy.modes"))
-    caps = []
-    for mode in modes.data:
-        if mode not in known:
-            raise modes.error(f"unknown mode (modes: {', '.join(sorted(known))})", str(mode))
-        caps.append((str(mode), _positive(modes, str(mode), None)))
-    return EnergyPolicy(max_j_per_token=_positive(sec, "max_j_per_token", None), modes=tuple(caps))
-
-
-def _memory(sec: Section | None) -> MemoryPolicy:
-    if sec is None:
-        return MemoryPolicy()
-    sec.only({"min_headroom"})
-    value = float(sec.get("min_headroom", (int, float), MemoryPolicy.min_headroom))
-    if not 0 <= value < 1:
-        raise sec.error(f"must be a fraction in [0, 1), got {value}", "min_headroom")
-    return MemoryPolicy(min_headroom=value)
-
-
-def _quality(sec: Section | None) -> QualityPolicy:
-    if sec is None:
-        return QualityPolicy()
-    sec.only({"max_drop_pp", "max_ppl_increase_pct", "require_gate", "families"})
-    families = sec.section("families", Section({}, sec.source, "quality.families"))
-    parsed = []
-    for family, tasks in families.data.items():
-        if not isinstance(tasks, list) or not tasks or not all(isinstance(t, str) for t in tasks):
-            raise families.error("must be a non-empty list of task names", str(family))
-        parsed.append((str(family), tuple(tasks)))
-    return QualityPolicy(
-        max_drop_pp=float(sec.get("max_drop_pp", (int, float), 1.0)),
-        max_ppl_increase_pct=float(sec.get("max_ppl_increase_pct", (int, float), 10.0)),
-        require_gate=sec.get("require_gate", bool, False),
-        families=tuple(parsed),
-    )
-
-
-def load_policy(path: str | Path, known_modes: Iterable[str]):
-    """Parse and validate a policy file; raises :class:`ConfigError` naming file, line and field."""
-    return parse_policy(load_yaml(path), str(path), known_modes)
-
-
-__all__ = ["ConfigError", "RulePolicy", "Rule", "Condition", "Choice", "load_policy", "parse_policy"]

@@ -1,12 +1,15 @@
 """The quality gate: every mode scored with lm-eval, compared with fp16, written as a report the router enforces.
 
     python -m modeswitch.evals.gate --model demo [--limit 200] [--tasks jargon_cloze,jargon_ppl,jargon_copy]
+        [--policy policies/NAME.yaml]
 
 Scoring tasks (multiple_choice, loglikelihood, loglikelihood_rolling) depend only on a mode's weights, so
 they run once per weights variant and every mode on those weights shares the result; generate_until
 tasks run on every mode, through its own engine. Deltas vs fp16: accuracy-like metrics (higher is
 better, in [0, 1]) in percentage points; perplexity-like metrics (lower is better) as a relative change
-in percent. Pass/fail uses the tolerance in the policy's ``quality`` block (defaults below).
+in percent. Pass/fail is judged by ``controller.quality`` (what the router and ``/v1/modes`` use too) with
+the tolerances of a policy's ``quality`` block (``--policy``; without one, the defaults of
+:class:`QualityPolicy`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..controller.load import load_policy
+from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR
 from .run import TASKS, evaluate, task_manager
 
 SCORING = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
-DEFAULT_TOLERANCE = {"max_drop_pp": 1.0, "max_ppl_increase_pct": 10.0}
 
 
 def task_kinds(tasks) -> dict[str, dict]:
@@ -43,19 +47,22 @@ def task_kinds(tasks) -> dict[str, dict]:
     return kinds
 
 
-def compare(value: float, stderr, base: float, higher_is_better: bool, tol: dict) -> dict:
-    if higher_is_better:
-        delta = (float(value) - float(base)) * 100
-        return {"delta_pp": round(delta, 2), "pass": bool(delta >= -tol["max_drop_pp"])}
-    delta = (float(value) / float(base) - 1) * 100
-    return {"delta_pct": round(delta, 2), "pass": bool(delta <= tol["max_ppl_increase_pct"])}
+def mark(report: dict) -> None:
+    """Write each mode's delta vs fp16 and pass/fail into the report's entries, judged with the report's
+    tolerances."""
+    quality = QualityPolicy(**report["tolerance"])
+    base = report["modes"]["fp16"]
+    for per_task in report["modes"].values():
+        for task, entry in per_task.items():
+            higher, ref = report["tasks"][task]["higher_is_better"], base[task]["value"]
+            entry["delta_pp" if higher else "delta_pct"] = round(change(entry["value"], ref, higher), 2)
+            entry["pass"] = task_failure(task, entry["value"], ref, higher, quality) is None
 
 
-def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, tolerance: dict | None = None,
+def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
              gptq: str | None = None, progress=print) -> dict:
     from .adapter import ModeSwitchLM
 
-    tol = {**DEFAULT_TOLERANCE, **(tolerance or {})}
     kinds = task_kinds(tasks)
     scoring = [t for t, k in kinds.items() if k["output_type"] in SCORING]
     generating = [t for t in kinds if t not in scoring]
@@ -86,19 +93,17 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, tole
                  + f" ({time.perf_counter() - t0:.0f} s)")
     if "fp16" not in modes:
         raise RuntimeError("the fp16 mode is the reference and must be available for the gate")
-    for name, per_task in modes.items():
-        for task, entry in per_task.items():
-            entry.update(compare(entry["value"], entry["stderr"], modes["fp16"][task]["value"],
-                                 kinds[task]["higher_is_better"], tol))
     import lm_eval
     import torch
     import transformers
 
-    return {"model": model, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
-            "tolerance": tol, "tasks": kinds, "modes": modes, "unavailable": unavailable,
-            "seconds": round(time.perf_counter() - started, 1),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
+    report = {"model": model, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
+              "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "unavailable": unavailable,
+              "seconds": round(time.perf_counter() - started, 1),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
+    mark(report)
+    return report
 
 
 def _num(x):
@@ -106,7 +111,10 @@ def _num(x):
 
 
 def render(report: dict) -> str:
+    """The report as markdown; a mode's verdict is what the router's quality gate and ``/v1/modes`` say for
+    the ``general`` task family under the report's tolerances."""
     tasks = list(report["tasks"])
+    verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
     lines = [f"# Quality gate: {report['model']} ({report['date']})", "",
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
@@ -120,8 +128,7 @@ def render(report: dict) -> str:
             err = f" ± {e['stderr']:.3f}" if e["stderr"] is not None else ""
             delta = f"{e['delta_pp']:+.1f} pp" if "delta_pp" in e else f"{e['delta_pct']:+.1f} %"
             cells.append(f"{e['value']:.4g}{err} ({delta}{'' if e['pass'] else ', FAIL'})")
-        ok = all(e["pass"] for e in per_task.values())
-        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'pass' if ok else 'fail'} |")
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'pass' if verdicts[mode] is None else 'fail'} |")
     for mode, why in report["unavailable"].items():
         lines.append(f"| {mode} | " + " | ".join("–" for _ in tasks) + f" | unavailable: {why} |")
     return "\n".join(lines) + "\n"
@@ -144,9 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes-dir", action="append", default=None)
     ap.add_argument("--gptq", default=None, help="GPTQ checkpoint overriding the preset's")
     ap.add_argument("--out", default=str(REPORTS_DIR))
+    ap.add_argument("--policy", default=None,
+                    help="judge with this policy's quality tolerances, as the server running it does "
+                         "(default: the defaults a policy without a quality block has)")
     args = ap.parse_args(argv)
-    report = run_gate(args.model, [Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])],
-                      tuple(t for t in args.tasks.split(",") if t), args.limit, gptq=args.gptq)
+    modes_dirs = [Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])]
+    quality = QualityPolicy()
+    if args.policy:
+        quality = load_policy(args.policy, [m.name for m in load_modes(*modes_dirs)]).quality
+    report = run_gate(args.model, modes_dirs, tuple(t for t in args.tasks.split(",") if t), args.limit, quality,
+                      gptq=args.gptq)
     path = write(report, Path(args.out))
     print(render(report))
     print(f"report: {path}")

@@ -1,0 +1,55 @@
+"""What the controller reads of a resident mode: a read-only view, whatever keeps the state.
+
+The registry of resident modes owns health, quarantine and energy figures and knows its engines; the
+controller only reads these attributes, so it neither imports the registry nor branches on an engine's
+kind, and a test can decide over plain objects.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ModeView(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def available(self) -> bool:
+        """Built and warmed up."""
+
+    @property
+    def reason(self) -> str:
+        """Why it is unavailable (empty when available)."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests queued or running."""
+
+    @property
+    def max_queue(self) -> int:
+        """The bound on ``in_flight``: at it the mode is saturated."""
+
+    @property
+    def supports_sampling(self) -> bool:
+        """It can decode with temperature > 0 (else greedy only)."""
+
+    @property
+    def supports_scoring(self) -> bool:
+        """It can return prompt logprobs."""
+
+    @property
+    def preallocated_kv(self) -> bool:
+        """Its KV is reserved at start, so a request allocates none (what memory pressure allows)."""
+
+    @property
+    def quarantine_left(self) -> float:
+        """Seconds of quarantine left after a failure (0 when healthy)."""
+
+    @property
+    def last_error(self) -> str:
+        """The failure that quarantined it."""
+
+    @property
+    def j_per_token(self) -> float | None:
+        """Running J per generated token over its completed requests (None before the first)."""
