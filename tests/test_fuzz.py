@@ -1,8 +1,9 @@
 """Schemathesis over /openapi.json against a running server: no 5xx, every response matches the schema.
 
-Run through schemathesis' own CLI (its pytest plugin does not support pytest 9 yet). The fuzzed server
-serves two modes with a 48-token context, so any request the fuzzer makes valid generates a few tokens
-at most; examples are bounded per operation, so the run is bounded in time (about 40 s on 2 cores).
+Run through schemathesis' own CLI (its pytest plugin does not support pytest 9 yet) against the real server
+process over the fake backend (the schema, validation and error paths are the API's, whatever engine
+serves): two modes, a 64-token context, so any request the fuzzer makes valid generates a few tokens at
+most; examples are bounded per operation, so the run is bounded in time.
 
 One check is left out, on purpose: ``positive_data_acceptance`` expects every schema-valid request to
 succeed, but whether a prompt fits the context is counted in tokens, and whether a policy path exists is
@@ -17,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from modeswitch.launcher import start_server
+from modeswitch.launcher import SERVE_FAKE, start_server
 
 
 def test_schemathesis_finds_no_failures(tmp_path):
-    proc, url, log = start_server(tmp_path, "--model", "demo", "--modes", "fp16,prefix_cache", "--max-model-len", "48",
-                                  "--max-inflight-per-client", "0", "--gate-report", "none")
+    proc, url, log = start_server(tmp_path, "--modes", "fp16,prefix_cache", "--fake-context", "64",
+                                  "--max-inflight-per-client", "0", "--gate-report", "none", entry=SERVE_FAKE, wait_s=60)
     report = tmp_path / "schemathesis.json"
     cli = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
     try:

@@ -1,18 +1,15 @@
-"""The learned policy: online least squares, bounded exploration, persistence, and learning on the server
-that a mode is slow even though the policy's own order prefers it."""
+"""The learned policy: online least squares, bounded exploration, persistence (learning on a server that a
+mode is slow is in test_api_serving)."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
-import requests
 
 from modeswitch.controller.completed import Completed
 from modeswitch.controller.learned import LearnedPolicy, OnlineLinear, tpot_x, ttft_x
-from modeswitch.launcher import start_server
 from modeswitch.yamlconf import ConfigError
 from test_rules import feats, policy_from
 
@@ -114,49 +111,3 @@ def test_state_persists_and_warm_start_replays_a_benchmark_run(tmp_path):
 def test_invalid_learned_policies_are_rejected(text, fragment):
     with pytest.raises(ConfigError, match=fragment):
         policy_from("type: learned\n" + text)
-
-
-LEARNED = """name: learned-test
-type: learned
-modes: [prefix_cache, fp16]   # prefix_cache first: what the rule table (paper.yaml's default) would pick
-explore: {min_samples: 2, epsilon: 0.05, seed: 3}
-state: learned_state.json
-"""
-
-
-@pytest.fixture(scope="module")
-def slow_prefix(tmp_path_factory):
-    """fp16 and prefix_cache, with prefix_cache made 0.5 s slower per request (test-only delay injection)."""
-    tmp = tmp_path_factory.mktemp("learned")
-    (tmp / "learned.yaml").write_text(LEARNED)
-    os.environ["MODESWITCH_INJECT_DELAY"] = "prefix_cache=0.5"
-    try:
-        proc, url, _ = start_server(tmp, "--model", "demo", "--modes", "fp16,prefix_cache",
-                                    "--policy", str(tmp / "learned.yaml"), "--gate-report", "none")
-    finally:
-        del os.environ["MODESWITCH_INJECT_DELAY"]
-    yield url, tmp
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def test_learns_on_the_server_that_the_preferred_mode_is_slow(slow_prefix):
-    url, tmp = slow_prefix
-    words = "hacker kludge cruft foo bar baz quux frob grovel hairy".split()
-    modes = []
-    for i in range(14):
-        prompt = f"Request {i}: the {words[i % 10]} was {' '.join(words[: 1 + i % 7])}"
-        resp = requests.post(url + "/v1/completions", json={"model": "demo", "prompt": prompt, "max_tokens": 4,
-                                                            "temperature": 0}, timeout=120)
-        assert resp.status_code == 200, resp.text
-        info = resp.json()["modeswitch"]
-        modes.append(info["mode"])
-    assert modes[:4].count("prefix_cache") == 2  # cold start: each mode tried twice
-    assert modes[-6:] == ["fp16"] * 6, modes
-    assert info["prediction"]["latency_s"] > 0 and "lowest predicted cost" in info["reason"]
-    before = requests.get(url + "/admin/policy", timeout=10).json()
-    assert before["type"] == "learned" and before["observations"]["prefix_cache"] >= 2
-    # reloading the file saves the state first and restores it: nothing learned is lost
-    after = requests.post(url + "/admin/policy", json={}, timeout=10).json()
-    assert after["observations"] == before["observations"]
-    assert (tmp / "learned_state.json").is_file()

@@ -21,8 +21,10 @@ class Script:
     #: seconds before the first token, and between tokens
     ttft_s: float = 0.0
     token_s: float = 0.0
-    #: fail every request it accepts (an engine that broke)
+    #: fail every request after the start-up warm-up (an engine that broke while serving)
     fault: bool = False
+    #: fail the warm-up too (an engine that never works: the registry lists the mode as unavailable)
+    broken: bool = False
     #: requests generated at once; more wait in its queue (1: one at a time)
     batch: int = 8
     #: None: as the mode's spec implies (a continuous-batching mode is greedy-only with reserved KV, as
@@ -49,7 +51,7 @@ class FakeEngine(Engine):
         prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
         self.submitted = 0
         self._prefixes = RadixTree() if prefix_cache else None
-        self._queue: queue.Queue[GenRequest | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[GenRequest, bool] | None] = queue.Queue()
         self._stop = threading.Event()
         self._workers = [threading.Thread(target=self._loop, name=f"fake-{spec.name}-{i}", daemon=True)
                          for i in range(script.batch)]
@@ -61,23 +63,24 @@ class FakeEngine(Engine):
 
     def _enqueue(self, req: GenRequest) -> None:
         self.submitted += 1
-        self._queue.put(req)
+        self._queue.put((req, self.submitted == 1))  # the registry's warm-up is the first request
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            req = self._queue.get()
-            if req is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            req, warm_up = item
             try:
-                self._serve(req)
+                self._serve(req, warm_up)
             except Exception as exc:  # a bug here must fail the request, not hang it
                 req.emit("error", error=f"{type(exc).__name__}: {exc}")
 
-    def _serve(self, req: GenRequest) -> None:
+    def _serve(self, req: GenRequest, warm_up: bool) -> None:
         script = self.script
         if script.ttft_s:
             time.sleep(script.ttft_s)
-        if script.fault:
+        if script.broken or (script.fault and not warm_up):
             req.emit("error", error="RuntimeError: injected fault")
             return
         cached = self.prefix_match(req.prompt_ids) or 0
