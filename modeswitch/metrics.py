@@ -36,7 +36,7 @@ class _PoolCollector:
         self.pool = pool
 
     def collect(self):
-        from .pool import memory_headroom
+        from .device import memory_headroom
 
         in_flight = GaugeMetricFamily("modeswitch_mode_in_flight", "Requests queued or running per mode", labels=["mode"])
         up = GaugeMetricFamily("modeswitch_mode_available", "1 if the mode can take requests", labels=["mode"])

@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import psutil
-
+from .device import free_memory, resolve_device_dtype
 from .energy import HARDWARE, EnergyAccountant, StepCost, meter_for
 from .engines.base import Engine, GenRequest, SamplingParams
 from .memory import Footprint, MemoryPlan, ModelShape
@@ -144,34 +143,12 @@ def resolve_engine(kind: str) -> str:
     return kind
 
 
-def memory_headroom() -> tuple[int, float]:
-    """Free bytes and free fraction of the memory the models live in (GPU if one is in use, else RAM)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        free, total = torch.cuda.mem_get_info()
-        return free, free / total
-    vm = psutil.virtual_memory()
-    return vm.available, vm.available / vm.total
-
-
-def free_memory(device) -> int:
-    """Free bytes on ``device`` now (GPU memory, or available RAM for the CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
-
-
 class ModePool:
     """Plans memory, loads each weights variant once, and starts one engine per mode."""
 
     def __init__(self, preset: Preset, modes: list[ModeSpec], device: str = "auto", dtype: str = "auto",
                  memory_budget: int | None = None, max_model_len: int = 8192, decode: str = "auto",
                  power_watts: float | None = None, engine: str = "transformers") -> None:
-        from .engines.hf import resolve_device_dtype
-
         self.engine_kind = resolve_engine(engine)
         self.preset = preset
         self.modes: dict[str, ModeState] = {m.name: ModeState(m) for m in modes}
@@ -220,7 +197,7 @@ class ModePool:
         fp16_config = AutoConfig.from_pretrained(fp16_ref)
         shape = ModelShape.from_config(fp16_config, dtype_bytes)
         ctx = min(int(getattr(fp16_config, "max_position_embeddings", self.max_model_len)), self.max_model_len)
-        budget = self.memory_budget or int(free_memory(self.device) * (1 - DEFAULT_HEADROOM))
+        budget = self.memory_budget or int(free_memory(str(self.device)) * (1 - DEFAULT_HEADROOM))
         plan = MemoryPlan(budget=budget, weights={})
         draft_shape = None
         for state in self.modes.values():

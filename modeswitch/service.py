@@ -16,7 +16,8 @@ from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
-from .pool import ModePool, memory_headroom
+from .device import memory_headroom
+from .pool import ModePool
 
 log = logging.getLogger(__name__)
 
