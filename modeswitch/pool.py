@@ -20,7 +20,7 @@ from .engines.base import Engine, GenRequest, SamplingParams
 from .memory import Footprint, MemoryPlan, ModelShape
 from .models import Preset, WeightsNotFound
 from .modes import ModeSpec
-from .weights import VariantUnavailable, WeightStore
+from .weights import VariantUnavailable, WeightStore, load_config, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -187,14 +187,12 @@ class ModePool:
         Modes whose weights cannot be had are marked unavailable here (with the reason) and cost nothing.
         Raises :class:`MemoryBudgetExceeded` when the rest does not fit.
         """
-        from transformers import AutoConfig
-
         dtype_bytes = self.dtype.itemsize
         try:
             fp16_ref = self.weights.ref("fp16")
         except VariantUnavailable as exc:  # without the reference weights nothing can be served
             raise WeightsNotFound(str(exc)) from None
-        fp16_config = AutoConfig.from_pretrained(fp16_ref)
+        fp16_config = load_config(fp16_ref, f"fp16 weights of {self.preset.name}")
         shape = ModelShape.from_config(fp16_config, dtype_bytes)
         ctx = min(int(getattr(fp16_config, "max_position_embeddings", self.max_model_len)), self.max_model_len)
         budget = self.memory_budget or int(free_memory(str(self.device)) * (1 - DEFAULT_HEADROOM))
@@ -213,7 +211,7 @@ class ModePool:
             for v in variants:
                 if v == "draft":
                     draft_shape = draft_shape or ModelShape.from_config(
-                        AutoConfig.from_pretrained(self.weights.ref("draft")), dtype_bytes)
+                        load_config(self.weights.ref("draft"), f"draft of {self.preset.name}"), dtype_bytes)
                     sizes[v] = draft_shape.weights_bytes("fp16", dtype_bytes)
                 else:
                     sizes[v] = shape.weights_bytes(v, dtype_bytes)
@@ -248,11 +246,9 @@ class ModePool:
         Raises only when the fp16 weights are missing or the plan exceeds the budget; any other failure
         makes just that mode unavailable.
         """
-        from transformers import AutoTokenizer
-
         self.make_plan(progress)
         fp16_ref = self.weights.ref("fp16")
-        self.tokenizer = AutoTokenizer.from_pretrained(fp16_ref)
+        self.tokenizer = load_tokenizer(fp16_ref, f"tokenizer of {self.preset.name}")
         if self.engine_kind == "transformers":
             self.weights.get("fp16", progress)
         for state in self.modes.values():

@@ -29,6 +29,32 @@ class VariantUnavailable(RuntimeError):
     """This weights variant cannot be served here; the message says why."""
 
 
+def _not_found(path_or_id: str, what: str, exc: OSError) -> WeightsNotFound:
+    """transformers reports a checkpoint it cannot fetch or read as an ``OSError``: say what and how to get it."""
+    return WeightsNotFound(
+        f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+        "download it with `huggingface-cli download ID` on a machine with access, or pass a local path")
+
+
+def load_config(path_or_id: str, what: str):
+    """The checkpoint's model config (what the memory planner sizes everything from)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path_or_id)
+    except OSError as exc:
+        raise _not_found(path_or_id, what, exc) from exc
+
+
+def load_tokenizer(path_or_id: str, what: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path_or_id)
+    except OSError as exc:
+        raise _not_found(path_or_id, what, exc) from exc
+
+
 def load_causal_lm(path_or_id: str, device, dtype, what: str, **kwargs):
     """Load a causal LM for inference on ``device``, turning "not found" into one :class:`WeightsNotFound`.
 
@@ -39,10 +65,7 @@ def load_causal_lm(path_or_id: str, device, dtype, what: str, **kwargs):
     try:
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, device_map=str(device), **kwargs)
     except OSError as exc:
-        raise WeightsNotFound(
-            f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
-            "download it with `huggingface-cli download ID` on a machine with access, or pass a local path"
-        ) from exc
+        raise _not_found(path_or_id, what, exc) from exc
     model = model.eval()
     serialize_forward(model)
     return model
