@@ -1,4 +1,4 @@
-"""Command line: build the pool, the controller and the app, then serve them with waitress (threaded WSGI)."""
+"""Command line: build the mode registry, the controller and the app, then serve them with waitress (threaded WSGI)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 from .admission import Admission
+from .config import LoadConfig
 from .controller.decide import Controller
 from .controller.rules import load_policy
 from .memory import MemoryBudgetExceeded, parse_bytes
 from .models import PRESETS, WeightsNotFound, resolve_preset
 from .modes import DEFAULT_MODES_DIR, load_modes
-from .pool import ModePool
+from .registry import ModeRegistry
 from .service import Service
 from .yamlconf import ConfigError
 
@@ -87,9 +88,9 @@ def build_service(args: argparse.Namespace, progress=log.info) -> Service:
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
-    pool = ModePool(preset, modes, device=args.device, dtype=args.dtype, memory_budget=budget,
-                    max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts,
-                    engine=args.engine)
+    load = LoadConfig(engine=args.engine, device=args.device, dtype=args.dtype, memory_budget=budget,
+                      max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts)
+    pool = ModeRegistry(preset, modes, load)
     pool.load(progress)
     progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
     controller = Controller(pool, policy, defined_modes=defined)

@@ -17,7 +17,7 @@ from .controller.features import Features
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
 from .device import memory_headroom
-from .pool import ModePool
+from .registry import ModeRegistry
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class Generation:
 
 
 class Service:
-    def __init__(self, pool: ModePool, controller: Controller, model_name: str) -> None:
+    def __init__(self, pool: ModeRegistry, controller: Controller, model_name: str) -> None:
         self.pool = pool
         self.controller = controller
         self.model_name = model_name

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..pool import ModePool
+from ..registry import ModeRegistry
 from .features import Features
 from ..yamlconf import ConfigError
 from .gates import DEFAULT_GATES, EnergyGate, Gate, MemoryGate, QualityGate
@@ -51,7 +51,7 @@ class Decision:
 
 
 class Controller:
-    def __init__(self, pool: ModePool, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES,
+    def __init__(self, pool: ModeRegistry, policy: RulePolicy, gates: Sequence[Gate] = DEFAULT_GATES,
                  defined_modes: Sequence[str] = ()) -> None:
         """``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
         self.pool = pool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..pool import ModeState
+from ..registry import ModeState
 from .features import Features
 
 
@@ -137,8 +137,7 @@ class MemoryGate:
         floor = self.controller.policy.memory.min_headroom
         if features.memory_headroom >= floor or mode.engine is None or mode.engine.preallocated_kv:
             return None
-        shape = self.controller.pool.shape
-        need = shape.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens) if shape else 0
+        need = self.controller.pool.kv_bytes_per_token * (features.prompt_tokens + features.max_tokens)
         return (f"memory pressure: {features.memory_headroom:.1%} free < {floor:.1%}, and this mode would "
                 f"allocate ~{need / 2**20:.1f} MiB of KV for the request")
 

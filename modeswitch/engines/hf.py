@@ -210,6 +210,9 @@ class GenerateEngine(Engine):
                  logprobs={"token_ids": ids + [next_token], "token_logprobs": [None] + chosen,
                            "top_logprobs": [None] + tops})
 
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        return None if self.prefix_store is None else self.prefix_store.match_length(prompt_ids)
+
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self.counters)
         if self.prefix_store is not None:

@@ -1,4 +1,4 @@
-"""lm-eval model ``modeswitch``: any mode of the pool as an lm-eval LM.
+"""lm-eval model ``modeswitch``: any mode of the registry as an lm-eval LM.
 
     lm_eval --model modeswitch --model_args model=demo,mode=gptq --tasks jargon_cloze --include_path evals/tasks
 
@@ -21,12 +21,14 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from ..backends.transformers import TransformersBackend
+from ..config import LoadConfig
 from ..controller.decide import Controller
 from ..controller.rules import RulePolicy
 from ..engines.base import SamplingParams
 from ..models import resolve_preset
 from ..modes import DEFAULT_MODES_DIR, ModeSpec, load_modes
-from ..pool import ModePool
+from ..registry import ModeRegistry
 from ..service import Service
 
 
@@ -47,7 +49,9 @@ class ModeSwitchLM(TemplateLM):
         preset = resolve_preset(model)
         if gptq:
             preset = dataclasses.replace(preset, gptq=gptq)
-        self.pool = ModePool(preset, [spec], device=device, max_model_len=max_length)
+        load = LoadConfig(device=device, max_model_len=max_length)
+        backend = TransformersBackend(preset, load)  # loglikelihoods are scored on its resident weights
+        self.pool = ModeRegistry(preset, [spec], load, backend=backend)
         self.pool.load(progress=lambda s: None)
         state = self.pool.modes[mode]
         if not state.available:
@@ -55,7 +59,7 @@ class ModeSwitchLM(TemplateLM):
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = Service(self.pool, Controller(self.pool, policy), model)
         self.tokenizer = self.pool.tokenizer
-        self.scorer = self.pool.weights.models[spec.weights]
+        self.scorer = backend.weights.models[spec.weights]
         self._max_length = max_length
 
     # ------------------------------------------------------------------ tokenization (as lm-eval's hf model)
