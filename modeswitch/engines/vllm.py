@@ -11,7 +11,10 @@ runner through their own :class:`VllmEngine` front (own queue bound, own statist
 
 Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memory plan), and owns one
 thread that adds requests, steps the engine, routes each step's new tokens to their requests and aborts
-cancelled ones. Prompt scoring (echo + logprobs) stays with the transformers engine. Which checkpoint and options an engine runs with is decided above this layer
+cancelled ones. Its KV lives in vLLM's engine-core process, so the runner keeps a
+:class:`~modeswitch.engines.paged_prefix.PagedPrefixShadow` of the sequences it has computed: what a prompt
+would reuse is known before the request is sent. Prompt scoring (echo + logprobs) stays with the
+transformers engine. Which checkpoint and options an engine runs with is decided above this layer
 (``modeswitch.backends.vllm``); this module deals in plain engine arguments.
 """
 
@@ -21,12 +24,13 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from .base import Engine, GenRequest, spec_tokens_per_step
+from .paged_prefix import PagedPrefixShadow
 
 if TYPE_CHECKING:
     from ..energy import EnergyAccountant, StepCost
@@ -77,8 +81,16 @@ class _Live:
     req: GenRequest
     front: "VllmEngine"
     prompt_tokens: int
-    generated: int = 0
+    output_ids: list[int] = field(default_factory=list)
     steps: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    def computed_ids(self) -> list[int]:
+        """Tokens whose KV the engine has computed: the prompt and every output token but the newest."""
+        return list(self.req.prompt_ids) + self.output_ids[:-1]
 
 
 @dataclass
@@ -100,6 +112,8 @@ class VllmRunner:
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
         #: the engine-core processes this engine started (where its weights and KV live)
         self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
+        self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
@@ -120,8 +134,10 @@ class VllmRunner:
         return total
 
     def describe(self) -> dict[str, Any]:
-        """The engine as ``/v1/modes`` shows it: memory of its processes, steps."""
-        return {"rss_bytes": self.rss(), "steps": self.stats.steps, "max_running": self.stats.max_running}
+        """The engine as ``/v1/modes`` shows it: memory of its processes, steps, KV blocks, the prefix shadow."""
+        return {"rss_bytes": self.rss(), "steps": self.stats.steps, "max_running": self.stats.max_running,
+                "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
+                **self.prefix.stats()}
 
     def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
         self._inbox.put((req, front, params))
@@ -196,11 +212,12 @@ class VllmRunner:
         completion = out.outputs[0]
         new = list(completion.token_ids)
         if new:
-            live.generated += len(new)
+            live.output_ids.extend(new)
             live.steps += 1
             live.req.emit("tokens", new)
         if out.finished:
             del self._live[out.request_id]
+            self.prefix.record(live.computed_ids())
             live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason)
 
     def close(self) -> None:
@@ -244,6 +261,10 @@ class VllmEngine(Engine):
         """Steps are metered by the runner (one step serves every mode on it)."""
         super().attach_energy(accountant, cost)
         self.runner.energy, self.runner.cost = accountant, cost
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        """What the runner's prefix cache would give this prompt; None for a mode that skips reading it."""
+        return self.runner.prefix.match(prompt_ids) if self.prefix_cache else None
 
     def _enqueue(self, req: GenRequest) -> None:
         from vllm import SamplingParams
