@@ -92,7 +92,7 @@ class Energy:
 
 
 def perplexities(model_arg: str, variants: list[str]) -> dict[str, float]:
-    from modeswitch.engines.hf import resolve_device_dtype
+    from modeswitch.device import resolve_device_dtype
     from modeswitch.models import resolve_preset
     from modeswitch.quality import perplexity
     from modeswitch.weights import WeightStore

@@ -23,7 +23,7 @@ from .controller.decide import Controller
 from .controller.load import load_policy
 from .models import resolve_preset
 from .modes import ModeSpec, load_modes
-from .pool import ModePool
+from .registry import ModeRegistry
 from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
 from .service import Service
 from .yamlconf import ConfigError
@@ -72,13 +72,10 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     preset = resolve_preset(config.model)
     if config.gptq:
         preset = dataclasses.replace(preset, gptq=config.gptq)
-    load = config.load
-    pool = ModePool(preset, list(specs), device=load.device, dtype=load.dtype, memory_budget=load.memory_budget,
-                    max_model_len=load.max_model_len, decode=load.decode, power_watts=load.power_watts,
-                    engine=load.engine)
+    pool = ModeRegistry(preset, list(specs), config.load, backend=backend)
     pool.load(progress)
     progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
-    controller = Controller(pool.modes, policy, pool.shape.kv_bytes_per_token, defined_modes=defined)
+    controller = Controller(pool.modes, policy, pool.kv_bytes_per_token, defined_modes=defined)
     report = gate_report_path(config)
     if report is not None:
         controller.load_quality_report(report)

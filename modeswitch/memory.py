@@ -1,10 +1,10 @@
 """The memory planner: what every mode keeps resident, checked against a budget before anything loads.
 
-Weights are counted once per variant (modes that share a variant share the copy); each mode adds the KV
-memory it reserves: one sequence of ``max_model_len`` tokens for batch-1 modes, plus the stored-prefix
-capacity for prefix-cache modes, the paged block pool for continuous batching, and the draft model's KV
-for speculative modes. Sizes are computed from the model config on the meta device (no weights loaded),
-so a mode set that does not fit is refused at start with every mode's size in the message.
+Weights are counted once per holder (modes that share a variant share the copy; a vLLM engine holds its
+own); each mode adds the KV memory it reserves: one sequence of ``max_model_len`` tokens for batch-1 modes,
+plus the stored-prefix capacity for prefix-cache modes, the paged block pool for continuous batching, and
+the draft model's KV for speculative modes. Sizes are computed from the model config on the meta device (no
+weights loaded), so a mode set that does not fit is refused at start with every mode's size in the message.
 """
 
 from __future__ import annotations
@@ -86,18 +86,30 @@ class ModelShape:
 
 @dataclass
 class Footprint:
+    """What one mode keeps resident: the weights it runs on (by holder: a variant, or an engine that holds
+    its own copy), any further weights it keeps (a draft model), and its KV reservation."""
+
     mode: str
     weights: str
     kv_bytes: int
     kv_detail: str
+    #: every weights holder the mode needs -> its bytes (``weights`` first, then e.g. the draft's)
+    weights_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class MemoryPlan:
     budget: int
-    weights: dict[str, int]                              # variant -> bytes (counted once)
-    users: dict[str, list[str]] = field(default_factory=dict)  # variant -> modes sharing it
+    weights: dict[str, int]                              # holder -> bytes (counted once)
+    users: dict[str, list[str]] = field(default_factory=dict)  # holder -> modes sharing it
     footprints: list[Footprint] = field(default_factory=list)
+
+    def add(self, footprint: Footprint) -> None:
+        """Count a mode in: its KV, and each weights holder once however many modes share it."""
+        for holder, size in footprint.weights_bytes.items():
+            self.weights.setdefault(holder, size)
+            self.users.setdefault(holder, []).append(footprint.mode)
+        self.footprints.append(footprint)
 
     @property
     def total(self) -> int:

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from .controller.completed import Completed
-    from .pool import ModePool
+    from .registry import ModeRegistry
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 5e-4, 1e-3)
@@ -31,13 +31,13 @@ ENGINE_COUNTERS = {
 
 
 class _PoolCollector:
-    """Reads per-mode state and memory from the pool on every scrape."""
+    """Reads per-mode state and memory from the mode registry on every scrape."""
 
-    def __init__(self, pool: "ModePool") -> None:
+    def __init__(self, pool: "ModeRegistry") -> None:
         self.pool = pool
 
     def collect(self):
-        from .pool import memory_headroom
+        from .device import memory_headroom
 
         in_flight = GaugeMetricFamily("modeswitch_mode_in_flight", "Requests queued or running per mode", labels=["mode"])
         up = GaugeMetricFamily("modeswitch_mode_available", "1 if the mode can take requests", labels=["mode"])
@@ -72,13 +72,13 @@ class _PoolCollector:
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)
         weights = GaugeMetricFamily("modeswitch_weights_bytes", "Resident bytes per weights variant", labels=["weights"])
-        for variant in list(self.pool.weights.models):
-            weights.add_metric([variant], self.pool.weights.nbytes(variant))
+        for variant, size in self.pool.memory()["weights_bytes"].items():
+            weights.add_metric([variant], size)
         yield weights
 
 
 class Metrics:
-    def __init__(self, pool: "ModePool | None" = None) -> None:
+    def __init__(self, pool: "ModeRegistry | None" = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("modeswitch_requests", "Finished generation requests", ["mode", "outcome"], registry=r)

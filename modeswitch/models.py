@@ -160,7 +160,40 @@ def local_or_hub(ref: str, what: str) -> str:
             f"{what}: {ref} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; on a machine with access run "
             f"`huggingface-cli download {ref}` (gated models need `huggingface-cli login` first) or pass a local path"
         )
+    probe_hub(ref, what)
     return ref
+
+
+def probe_hub(ref: str, what: str) -> None:
+    """Ask the hub once, without retries, whether ``ref``'s config can be fetched; raise :class:`WeightsNotFound`
+    saying why not and how to get the weights.
+
+    Loading from an unreachable hub would otherwise retry for about 25 s and end in a raw ``OSError``, and a
+    gated repo without an accepted licence (the common case for Llama) in an error about the config file.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    fetch = f"on a machine with access run `huggingface-cli download {ref}`, or pass a local path"
+    try:
+        get_hf_file_metadata(hf_hub_url(ref, "config.json"))
+    except GatedRepoError:
+        raise WeightsNotFound(
+            f"{what}: {ref} is a gated model this machine has no access to; accept its licence at "
+            f"https://huggingface.co/{ref} and run `huggingface-cli login` (or {fetch})") from None
+    except RepositoryNotFoundError:
+        raise WeightsNotFound(f"{what}: {ref} is not on the Hugging Face hub, or is private and needs "
+                              f"`huggingface-cli login`; check the name (or {fetch})") from None
+    except HfHubHTTPError as exc:
+        raise WeightsNotFound(f"{what}: the Hugging Face hub refused {ref} ({str(exc).splitlines()[0]}); "
+                              f"{fetch}") from None
+    except Exception as exc:  # the hub cannot be reached at all: refused, timed out, no route, bad TLS
+        from huggingface_hub import constants
+
+        raise WeightsNotFound(
+            f"{what}: {ref} is not in the local Hugging Face cache and the hub ({constants.ENDPOINT}) cannot be "
+            f"reached ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else 'no answer'}); "
+            f"{fetch}") from None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from .yamlconf import ConfigError, Section, load_yaml
 WEIGHTS = ("fp16", "gptq", "int8")
 DECODING = ("standard", "speculative")
 BATCHING = ("none", "continuous")
-ENGINES = ("transformers", "any")
 
 DEFAULT_MODES_DIR = MODES_DIR
 
@@ -39,7 +38,6 @@ class ModeSpec:
     prefix_cache: bool = False
     prefix_cache_tokens: int = 8192
     batching: str = "none"
-    engine: str = "any"
     max_queue: int = 8
     description: str = ""
     source: str = ""
@@ -48,7 +46,7 @@ class ModeSpec:
 def parse_mode(data, source: str) -> ModeSpec:
     sec = Section(data, source)
     sec.only({"name", "description", "weights", "decoding", "speculative", "prefix_cache", "prefix_cache_tokens",
-              "batching", "engine", "max_queue"})
+              "batching", "max_queue"})
     decoding = sec.get("decoding", str, "standard", DECODING)
     spec = None
     spec_sec = sec.section("speculative", None)
@@ -72,7 +70,6 @@ def parse_mode(data, source: str) -> ModeSpec:
         prefix_cache=sec.get("prefix_cache", bool, False),
         prefix_cache_tokens=sec.get("prefix_cache_tokens", int, 8192),
         batching=sec.get("batching", str, "none", BATCHING),
-        engine=sec.get("engine", str, "any", ENGINES),
         max_queue=sec.get("max_queue", int, 8),
         source=source,
     )

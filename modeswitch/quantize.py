@@ -2,7 +2,7 @@
 
 GPTQ settings: 4 bits, symmetric, desc_act off, GPTQ format (what auto-gptq users and vLLM read).
 The group size must divide every linear layer's input width: SmolLM2-135M has 576 and 1536, so 64
-(group 128 quantizes but then fails in the CPU int4 kernel and in vLLM, STACK.md).
+(group 128 quantizes, but transformers' CPU int4 kernel then refuses K=576 and vLLM's engine fails to start).
 
 Calibration: ``samples`` windows of ``seq_len`` tokens from the calibration split of the local corpus
 (:mod:`modeswitch.corpus`). Measured on 2 CPU cores: 16 x 256 tokens take about 1 minute, 128 x 256

@@ -1,14 +1,15 @@
-"""A radix tree over token-id sequences.
+"""A radix tree over token-id sequences, and an LRU-bounded set of sequences built on it.
 
-Used twice: the prefix-cache engine keeps its stored KV caches in one (to find the longest reusable
-prefix of a new prompt), and the controller asks the same trees for the ``prefix_match_tokens``
-feature. Edges hold tuples of tokens, so a walk costs one Python step per *edge*, with the token
-comparison done by tuple equality in C; a lookup over a few stored sequences of 1000+ tokens stays in
-the microseconds.
+The transformers prefix-cache engine keeps its stored KV caches in one (to find the longest reusable
+prefix of a new prompt), the vLLM engines keep a shadow of what their paged prefix cache holds in one,
+and the controller asks the same trees for the ``prefix_match_tokens`` feature. Edges hold tuples of
+tokens, so a walk costs one Python step per *edge*, with the token comparison done by tuple equality in
+C; a lookup over a few stored sequences of 1000+ tokens stays in the microseconds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Generic, Iterator, Sequence, TypeVar
 
 V = TypeVar("V")
@@ -48,6 +49,8 @@ class RadixTree(Generic[V]):
     def __init__(self) -> None:
         self._root: _Node[V] = _Node(())
         self._size = 0
+        #: distinct tokens on the tree's edges: what the stored sequences hold when they share their prefixes
+        self.tokens = 0
 
     def __len__(self) -> int:
         return self._size
@@ -63,6 +66,7 @@ class RadixTree(Generic[V]):
             if child is None:
                 leaf: _Node[V] = _Node(tokens[pos:])
                 node.children[tokens[pos]] = leaf
+                self.tokens += len(leaf.edge)
                 node = leaf
                 pos = len(tokens)
                 break
@@ -122,6 +126,7 @@ class RadixTree(Generic[V]):
                     parent.children[child.edge[0]] = only
                 break
             del parent.children[child.edge[0]]
+            self.tokens -= len(child.edge)
         return True
 
     def values(self) -> Iterator[Any]:
@@ -131,3 +136,57 @@ class RadixTree(Generic[V]):
             if node.has_value:
                 yield node.value
             stack.extend(node.children.values())
+
+
+class LruRadix(Generic[V]):
+    """Token sequences with a value each, bounded in tokens; the least recently used sequence goes first.
+
+    ``shared`` says how the bound counts: True when stored sequences share their common prefixes (the blocks
+    of a paged KV cache: the distinct tokens of the tree count), False when each holds a copy of its own
+    (separate KV caches: every sequence's length counts). Not thread-safe: callers hold their own lock.
+    """
+
+    def __init__(self, capacity_tokens: int, shared: bool = False) -> None:
+        self.capacity_tokens = capacity_tokens
+        self.shared = shared
+        self._tree: RadixTree[tuple[int, ...]] = RadixTree()
+        self._values: OrderedDict[tuple[int, ...], V] = OrderedDict()
+        self._copied_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens held, counted as ``shared`` says."""
+        return self._tree.tokens if self.shared else self._copied_tokens
+
+    def longest_match(self, tokens: Sequence[int]) -> tuple[int, tuple[int, ...] | None]:
+        """Length of the longest stored prefix of ``tokens``, and the key of a sequence that holds it."""
+        return self._tree.longest_match(tokens)
+
+    def get(self, key: tuple[int, ...]) -> V:
+        """The value stored under ``key`` (from :meth:`longest_match`), marked as just used."""
+        self._values.move_to_end(key)
+        return self._values[key]
+
+    def put(self, tokens: Sequence[int], value: V) -> None:
+        """Store ``value`` under ``tokens`` and evict the least recently used sequences until the bound holds.
+
+        A sequence longer than the whole bound is not stored; one that a stored sequence already extends
+        only marks that sequence as used (its prefix is already there)."""
+        key = tuple(tokens)
+        if not key or len(key) > self.capacity_tokens:
+            return
+        covered, holder = self._tree.longest_match(key)
+        if covered == len(key):
+            self._values.move_to_end(holder)
+            return
+        self._tree.insert(key, key)
+        self._values[key] = value
+        self._copied_tokens += len(key)
+        while self.tokens > self.capacity_tokens:
+            old = next(iter(self._values))  # never the new key: it alone fits the bound
+            del self._values[old]
+            self._tree.remove(old)
+            self._copied_tokens -= len(old)

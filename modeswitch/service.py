@@ -18,7 +18,8 @@ from .controller.features import Features
 from .controller.verdicts import Code
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
-from .pool import ModePool, memory_headroom
+from .device import memory_headroom
+from .registry import ModeRegistry
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class Generation:
 
 
 class Service:
-    def __init__(self, pool: ModePool, controller: Controller, model_name: str) -> None:
+    def __init__(self, pool: ModeRegistry, controller: Controller, model_name: str) -> None:
         self.pool = pool
         self.controller = controller
         self.model_name = model_name

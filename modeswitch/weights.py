@@ -3,13 +3,16 @@
 Variants: ``fp16`` (the reference weights), ``gptq`` (a GPTQ 4-bit checkpoint: the preset's published
 one, or the demo's, built locally), ``int8`` (bitsandbytes LLM.int8, quantized on the fly from the
 reference weights) and ``draft`` (the preset's draft model for speculative decoding). A variant that
-cannot be had here raises :class:`VariantUnavailable` with the reason the pool shows for its modes.
+cannot be had here raises :class:`VariantUnavailable` with the reason the registry shows for its modes.
+
+Models are loaded here, below the engines that run them: an engine is handed a loaded model object.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -24,6 +27,71 @@ QUANT_HINT = "pip install -e '.[quant]' (scripts/setup.sh installs it)"
 
 class VariantUnavailable(RuntimeError):
     """This weights variant cannot be served here; the message says why."""
+
+
+def _not_found(path_or_id: str, what: str, exc: OSError) -> WeightsNotFound:
+    """transformers reports a checkpoint it cannot fetch or read as an ``OSError``: say what and how to get it."""
+    return WeightsNotFound(
+        f"{what}: could not load {path_or_id!r} ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); "
+        "download it with `huggingface-cli download ID` on a machine with access, or pass a local path")
+
+
+def load_config(path_or_id: str, what: str):
+    """The checkpoint's model config (what the memory planner sizes everything from)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path_or_id)
+    except OSError as exc:
+        raise _not_found(path_or_id, what, exc) from exc
+
+
+def load_tokenizer(path_or_id: str, what: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path_or_id)
+    except OSError as exc:
+        raise _not_found(path_or_id, what, exc) from exc
+
+
+def load_causal_lm(path_or_id: str, device, dtype, what: str, **kwargs):
+    """Load a causal LM for inference on ``device``, turning "not found" into one :class:`WeightsNotFound`.
+
+    ``device_map`` places the weights (quantized models cannot be moved with ``.to`` after loading).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, device_map=str(device), **kwargs)
+    except OSError as exc:
+        raise _not_found(path_or_id, what, exc) from exc
+    model = model.eval()
+    serialize_forward(model)
+    return model
+
+
+def serialize_forward(model) -> None:
+    """Make forward passes on ``model`` mutually exclusive across threads (idempotent).
+
+    Modes that share weights share the model object, and each engine steps it from its own thread.
+    transformers' forward is not re-entrant across threads: it temporarily writes ``config.is_causal``
+    when a caller passes ``is_causal`` (the continuous-batching runner passes False) and restores it in a
+    ``finally``; two overlapping forwards can leave ``is_causal=False`` behind for good, after which every
+    plain ``generate`` prefill attends to future tokens (seen here: fp16 turned to garbage after one
+    concurrent continuous-batching step). One lock per model makes engines interleave step by step.
+    """
+    if getattr(model, "_modeswitch_forward_lock", None) is not None:
+        return
+    lock = threading.Lock()
+    forward = model.forward
+
+    def locked_forward(*args, **kwargs):
+        with lock:
+            return forward(*args, **kwargs)
+
+    model._modeswitch_forward_lock = lock
+    model.forward = locked_forward
 
 
 class WeightStore:
@@ -63,8 +131,6 @@ class WeightStore:
         if variant in self.models:
             return self.models[variant]
         ref = self.ref(variant)
-        from .engines.hf import load_causal_lm
-
         started = time.perf_counter()
         progress(f"loading {variant} weights from {ref} on {self.device} as {self.dtype}")
         kwargs: dict[str, Any] = {}

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from modeswitch.config import LoadConfig
 from modeswitch.controller.decide import Controller, NoEligibleMode
 from modeswitch.controller.verdicts import Code
 from modeswitch.energy import HARDWARE, ESTIMATED, EnergyAccountant, EstimatingMeter, Share, StepCost
 from modeswitch.models import PRESETS
 from modeswitch.modes import load_modes
-from modeswitch.pool import ModePool
+from modeswitch.registry import ModeRegistry
 from modeswitch.yamlconf import ConfigError
 from test_rules import feats, policy_from
 
@@ -110,7 +111,7 @@ def test_responses_and_metrics_carry_estimated_energy(server):
 # ---------------------------------------------------------------------------------------------- energy gate
 def gated_controller(text: str) -> Controller:
     modes = [m for m in load_modes() if m.name in ("fp16", "gptq", "int8")]
-    pool = ModePool(PRESETS["demo"], modes, device="cpu")
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
     return Controller(pool.modes, policy_from(text))

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from conftest import ROOT
+from modeswitch.launcher import free_port
 from modeswitch.models import PRESETS, WeightsNotFound, local_or_hub, prepare_demo_checkpoint
 
 
@@ -45,3 +49,52 @@ def test_serve_exits_nonzero_with_one_clear_line_when_weights_are_missing(tmp_pa
     assert out.returncode == 2
     assert "error: fp16 weights of llama-3.1-8b: meta-llama/Llama-3.1-8B-Instruct is not in the local" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+class _GatedHub(BaseHTTPRequestHandler):
+    """Answers every file request as the hub does for a gated repo (401: not logged in, 403: licence not accepted)."""
+
+    status = 401
+
+    def do_HEAD(self):
+        self.send_response(self.status)
+        self.send_header("X-Error-Code", "GatedRepo")
+        self.send_header("X-Error-Message", "Access to model meta-llama/Llama-3.1-8B-Instruct is restricted.")
+        self.end_headers()
+
+    do_GET = do_HEAD
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("hub", ["refused", 401, 403])
+def test_serve_exits_with_one_clear_line_when_the_hub_cannot_supply_the_weights(tmp_path, hub):
+    """The flagship command without the weights, online: a hub that refuses connections, or one that answers
+    as a gated repo does. Loopback only; no retries may hold the answer up."""
+    if hub == "refused":
+        endpoint, server = f"http://127.0.0.1:{free_port()}", None  # nothing listens there
+    else:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), type("Hub", (_GatedHub,), {"status": hub}))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        endpoint = f"http://127.0.0.1:{server.server_port}"
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint, "PATH": "/usr/bin:/bin"}
+    started = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--model", "llama-3.1-8b", "--port", "1"],
+                             capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    finally:
+        if server is not None:
+            server.shutdown()
+    elapsed = time.monotonic() - started
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: fp16 weights of llama-3.1-8b: meta-llama/Llama-3.1-8B-Instruct"), out.stderr
+    if hub == "refused":
+        assert f"the hub ({endpoint}) cannot be reached" in errors[0]
+    else:
+        assert "gated model" in errors[0] and "huggingface-cli login" in errors[0]
+    assert "huggingface-cli download meta-llama/Llama-3.1-8B-Instruct" in errors[0]
+    assert elapsed < 20, f"{elapsed:.1f} s: the hub was retried"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from modeswitch.engines.hf import resolve_device_dtype
+from modeswitch.device import resolve_device_dtype
 from modeswitch.memory import ModelShape
 from modeswitch.models import PRESETS
 from modeswitch.quality import common_prefix, perplexity

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from modeswitch.config import LoadConfig
 from modeswitch.controller.features import Features
 from modeswitch.controller.load import load_policy, parse_policy
 from modeswitch.controller.verdicts import Code, Verdict
@@ -86,10 +87,11 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
     """paper.yaml names all 8 modes; serving a subset must keep it valid and route among what is loaded."""
     from modeswitch.controller.decide import Controller
     from modeswitch.models import PRESETS
-    from modeswitch.pool import ModePool
+    from modeswitch.registry import ModeRegistry
 
     modes = load_modes()
-    pool = ModePool(PRESETS["demo"], [m for m in modes if m.name in ("fp16", "prefix_cache")], device="cpu")
+    served = [m for m in modes if m.name in ("fp16", "prefix_cache")]
+    pool = ModeRegistry(PRESETS["demo"], served, LoadConfig(device="cpu"))
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
     policy = load_policy(ROOT / "policies" / "paper.yaml", [m.name for m in modes])
@@ -103,10 +105,10 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
 def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
     from modeswitch.controller.decide import Controller
     from modeswitch.models import PRESETS
-    from modeswitch.pool import ModePool
+    from modeswitch.registry import ModeRegistry
 
     modes = [m for m in load_modes() if m.name in ("fp16", "gptq", "int8")]
-    pool = ModePool(PRESETS["demo"], modes, device="cpu")
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
     for state in pool.modes.values():
         state.status = "available"
     report = {"tasks": {"cloze": {"higher_is_better": True}, "ppl": {"higher_is_better": False}},

@@ -77,6 +77,20 @@ def test_prefix_cache_hits_on_a_repeated_prefix_and_plain_modes_do_not_read_it(v
     assert stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 128
 
 
+def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
+    """The controller's prefix_match_tokens feature on vLLM, known before the request runs: whole KV blocks of
+    a prompt's prefix that an earlier request on the same engine computed, and what the engine then reuses."""
+    block = modes(vllm_server)["vllm_engines"]["fp16"]["block_size"]
+    complete(vllm_server, LONG + " Which item came first?", "prefix_cache", max_tokens=4)
+    body = complete(vllm_server, LONG + " Which item is about slang?", "prefix_cache", max_tokens=4)
+    features = body["modeswitch"]["features"]
+    matched = features["prefix_match_tokens"]
+    assert matched >= 2 * block and matched % block == 0
+    assert features["prefix_match_by_mode"]["prefix_cache"] == matched
+    assert "fp16" not in features["prefix_match_by_mode"]  # it skips reading the prefix cache
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
+
+
 def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
     prompt = "one two three four five one two three four five one two three four five one two"
     spec = complete(vllm_server, prompt, "speculative", max_tokens=32)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import uuid
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -102,10 +101,6 @@ class Engine(ABC):
     supports_sampling = True
     #: False for engines that cannot return prompt logprobs (transformers' continuous batching).
     supports_scoring = True
-    #: Test-only: fail every accepted request as a broken engine would (set by the pool from an env var).
-    inject_fault = False
-    #: Test-only: seconds added to every accepted request, as a mode that is slow on this hardware would be.
-    inject_delay_s = 0.0
     #: True when a request allocates no new memory (its KV lives in a pool or static cache reserved at start):
     #: the memory gate keeps such modes open under memory pressure.
     preallocated_kv = False
@@ -150,11 +145,6 @@ class Engine(ABC):
                 raise QueueFull(f"{self._in_flight} requests in flight, limit {self.max_queue}")
             self._in_flight += 1
         req.on_finish.append(self._release)
-        if self.inject_delay_s:
-            time.sleep(self.inject_delay_s)
-        if self.inject_fault:
-            req.emit("error", error="RuntimeError: injected fault")
-            return
         try:
             self._enqueue(req)
         except Exception as exc:
@@ -168,6 +158,11 @@ class Engine(ABC):
     @abstractmethod
     def _enqueue(self, req: GenRequest) -> None:
         """Hand an accepted request to the worker."""
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        """Leading tokens of ``prompt_ids`` whose KV this mode would reuse now (the controller's prefix-match
+        feature); None for a mode that reads no prefix cache. Called on the request thread: microseconds."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Mode-specific counters for ``/v1/modes`` (prefix hits, speculative acceptance, ...)."""

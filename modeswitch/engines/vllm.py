@@ -9,9 +9,13 @@ runner through their own :class:`VllmEngine` front (own queue bound, own statist
 * continuous batching is what vLLM always does (``max_num_seqs`` per engine); ``batching: none`` modes
   share the batch too, bounded by their ``max_queue``.
 
-Each runner is started one after another with its own ``kv_cache_memory_bytes`` from the pool's memory
-plan, and owns one thread that adds requests, steps the engine, routes each step's new tokens to their
-requests and aborts cancelled ones. Prompt scoring (echo + logprobs) stays with the transformers engine.
+Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memory plan), and owns one
+thread that adds requests, steps the engine, routes each step's new tokens to their requests and aborts
+cancelled ones. Its KV lives in vLLM's engine-core process, so the runner keeps a
+:class:`~modeswitch.engines.paged_prefix.PagedPrefixShadow` of the sequences it has computed: what a prompt
+would reuse is known before the request is sent. Prompt scoring (echo + logprobs) stays with the
+transformers engine. Which checkpoint and options an engine runs with is decided above this layer
+(``modeswitch.backends.vllm``); this module deals in plain engine arguments.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from .base import Engine, GenRequest, spec_tokens_per_step
+from .paged_prefix import PagedPrefixShadow
 
 if TYPE_CHECKING:
     from ..energy import EnergyAccountant, StepCost
@@ -40,7 +45,8 @@ def vllm_installed() -> bool:
 
 
 def quiet_environment(cache_root: str) -> None:
-    """Offline, with vLLM's and inductor's caches in a known place (STACK.md §2)."""
+    """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
+    hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_root, "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, "inductor"))
@@ -50,49 +56,23 @@ def quiet_environment(cache_root: str) -> None:
 MIN_KV_BYTES = 64 * 2**20
 
 
-def engine_args(pool, spec, kv_bytes: int, max_num_seqs: int) -> dict[str, Any]:
-    """vLLM ``EngineArgs`` for the engine ``spec`` maps onto, from the pool's preset, device and plan.
-
-    Weights: fp16 (in the pool's dtype), the project's or the preset's GPTQ
-    checkpoint, and INT8 as ``int8_per_channel_weight_only`` on CPU (quantized at load) or the preset's
-    w8a8 compressed-tensors checkpoint on GPU. Speculative: prompt-lookup n-grams, the preset's draft
-    model, or the GPTQ weights as a self-draft.
+def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_bytes: int, max_num_seqs: int,
+                enforce_eager: bool, quantization: str | None = None,
+                speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, quantization, draft, its
+    planned KV bytes and batch bound) plus what every engine here runs with: prefix caching on (modes
+    without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging.
     """
-    from ..models import local_or_hub
-    from ..weights import VariantUnavailable
-
-    quiet_environment(os.path.join(os.path.expanduser("~"), ".cache", "modeswitch"))
-    cpu = pool.device.type == "cpu"
-    model, quantization = pool.weights.ref("fp16"), None
-    if spec.weights == "gptq":
-        model = pool.weights.ref("gptq")
-    elif spec.weights == "int8":
-        if cpu:
-            quantization = "int8_per_channel_weight_only"
-        elif pool.preset.int8_vllm:
-            model = local_or_hub(pool.preset.int8_vllm, f"INT8 (w8a8) weights of {pool.preset.name}")
-        else:
-            raise VariantUnavailable(f"model {pool.preset.name} has no w8a8 checkpoint for vLLM on a GPU")
-    draft = pool._draft_variant(spec) if spec.speculative is not None else None
-    # the pool's dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU GPTQ
-    # and INT8 kernels take bf16/fp16 activations only, and a draft runs in its target's dtype
-    low_precision = cpu and (spec.weights != "fp16" or draft == "gptq")
     args: dict[str, Any] = dict(
-        model=model, tokenizer=pool.weights.ref("fp16"), quantization=quantization,
-        dtype="bfloat16" if low_precision else str(pool.dtype).removeprefix("torch."),
+        model=model, tokenizer=tokenizer, quantization=quantization, dtype=dtype, max_model_len=max_model_len,
         # +25 %: vLLM rounds every sequence up to whole KV blocks (128 tokens on CPU) and speculative
         # engines reserve lookahead slots; the exact plan figure leaves one max-length request short
-        max_model_len=pool.context_length, kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
-        max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=not pool.compiled_decode,
+        kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
+        max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=enforce_eager,
         disable_log_stats=True, seed=0,
     )
-    if spec.speculative is not None:
-        k = spec.speculative.num_tokens
-        if draft is None:
-            args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
-                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-        else:
-            args["speculative_config"] = {"model": pool.weights.ref(draft), "num_speculative_tokens": k}
+    if speculative_config is not None:
+        args["speculative_config"] = speculative_config
     return args
 
 
@@ -101,8 +81,16 @@ class _Live:
     req: GenRequest
     front: "VllmEngine"
     prompt_tokens: int
-    generated: int = 0
+    output_ids: list[int] = field(default_factory=list)
     steps: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    def computed_ids(self) -> list[int]:
+        """Tokens whose KV the engine has computed: the prompt and every output token but the newest."""
+        return list(self.req.prompt_ids) + self.output_ids[:-1]
 
 
 @dataclass
@@ -124,6 +112,8 @@ class VllmRunner:
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
         #: the engine-core processes this engine started (where its weights and KV live)
         self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
+        self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
@@ -142,6 +132,12 @@ class VllmRunner:
             except psutil.Error:
                 pass
         return total
+
+    def describe(self) -> dict[str, Any]:
+        """The engine as ``/v1/modes`` shows it: memory of its processes, steps, KV blocks, the prefix shadow."""
+        return {"rss_bytes": self.rss(), "steps": self.stats.steps, "max_running": self.stats.max_running,
+                "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
+                **self.prefix.stats()}
 
     def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
         self._inbox.put((req, front, params))
@@ -216,11 +212,12 @@ class VllmRunner:
         completion = out.outputs[0]
         new = list(completion.token_ids)
         if new:
-            live.generated += len(new)
+            live.output_ids.extend(new)
             live.steps += 1
             live.req.emit("tokens", new)
         if out.finished:
             del self._live[out.request_id]
+            self.prefix.record(live.computed_ids())
             live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason)
 
     def close(self) -> None:
@@ -265,6 +262,10 @@ class VllmEngine(Engine):
         super().attach_energy(accountant, cost)
         self.runner.energy, self.runner.cost = accountant, cost
 
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        """What the runner's prefix cache would give this prompt; None for a mode that skips reading it."""
+        return self.runner.prefix.match(prompt_ids) if self.prefix_cache else None
+
     def _enqueue(self, req: GenRequest) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -297,4 +298,5 @@ class VllmEngine(Engine):
                 "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters)}
 
     def close(self) -> None:
-        self.runner.close()  # idempotent: the first mode to close stops the shared runner
+        """Nothing of its own to stop: the runner is shared by every mode on it, and whoever started the
+        runner closes it."""

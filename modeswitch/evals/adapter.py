@@ -50,7 +50,7 @@ class ModeSwitchLM(TemplateLM):
             self.pool.close()
             raise RuntimeError(f"mode {mode} is unavailable: {state.reason}")
         self.tokenizer = self.pool.tokenizer
-        self.scorer = self.pool.weights.models[spec.weights]
+        self.scorer = self.pool.backend.weights.models[spec.weights]  # the transformers backend's weights
         self._max_length = max_length
 
     # ------------------------------------------------------------------ tokenization (as lm-eval's hf model)

@@ -1,0 +1,100 @@
+"""The served model's checkpoints as both real backends plan them: resolved, measured from their configs,
+sized per mode. Nothing here loads weights; the transformers backend loads them, vLLM engines load their own.
+"""
+
+from __future__ import annotations
+
+from ..config import LoadConfig
+from ..device import resolve_device_dtype
+from ..energy import HARDWARE, StepCost
+from ..memory import ModelShape
+from ..models import Preset, WeightsNotFound
+from ..modes import ModeSpec
+from ..weights import VariantUnavailable, WeightStore, load_config, load_tokenizer
+from .base import ModelInfo
+
+# Continuous-batching KV sizing, always explicit: left to itself, transformers sizes the paged pool to 90 % of
+# free memory (and decodes 20x slower on a CPU for it). The vLLM plan reserves the same pool for these modes.
+CB_PAGE_SIZE = 64
+CB_NUM_BLOCKS = 128
+CB_MAX_BATCH_TOKENS = 512
+
+
+class Checkpoint:
+    """The preset's weight variants on one device: where each is, what it weighs, what each mode reserves."""
+
+    def __init__(self, preset: Preset, load: LoadConfig) -> None:
+        self.preset = preset
+        self.device, self.dtype = resolve_device_dtype(load.device, load.dtype)
+        self.max_model_len = load.max_model_len
+        #: compiled decode for plain modes: on by default on a GPU, where eager decode is launch-bound
+        self.compiled_decode = load.decode == "compiled" or (load.decode == "auto" and self.device.type == "cuda")
+        self.weights = WeightStore(preset, self.device, self.dtype)
+        self.shape: ModelShape | None = None
+        self.context_length = 0
+        self._draft_shape: ModelShape | None = None
+
+    def open(self) -> ModelInfo:
+        """Resolve the reference weights and read their config and tokenizer; raises WeightsNotFound."""
+        try:
+            ref = self.weights.ref("fp16")
+        except VariantUnavailable as exc:  # without the reference weights nothing can be served
+            raise WeightsNotFound(str(exc)) from None
+        config = load_config(ref, f"fp16 weights of {self.preset.name}")
+        self.shape = ModelShape.from_config(config, self.dtype.itemsize)
+        self.context_length = min(int(getattr(config, "max_position_embeddings", self.max_model_len)),
+                                  self.max_model_len)
+        tokenizer = load_tokenizer(ref, f"tokenizer of {self.preset.name}")
+        return ModelInfo(tokenizer, self.context_length, self.shape.kv_bytes_per_token)
+
+    def draft_variant(self, spec: ModeSpec) -> str | None:
+        """The weights variant a speculative mode drafts with (None: prompt-lookup n-grams)."""
+        draft = spec.speculative.draft
+        if draft == "auto":
+            return "draft" if self.preset.draft else None
+        return {"model": "draft", "gptq": "gptq", "ngram": None}[draft]
+
+    def variant_bytes(self, spec: ModeSpec) -> dict[str, int]:
+        """Planned bytes of every weights variant ``spec`` keeps resident (its own first, then its draft's);
+        raises VariantUnavailable when one cannot be had."""
+        variants = [spec.weights]
+        if spec.speculative is not None and (draft := self.draft_variant(spec)) is not None:
+            variants.append(draft)
+        for v in variants:
+            self.weights.ref(v)
+        dtype_bytes = self.dtype.itemsize
+        return {v: self._draft().weights_bytes("fp16", dtype_bytes) if v == "draft"
+                else self.shape.weights_bytes(v, dtype_bytes) for v in variants}
+
+    def kv(self, spec: ModeSpec, variants: dict[str, int]) -> tuple[int, str]:
+        """KV bytes ``spec`` reserves and how they are made up, given its weights ``variants``."""
+        ctx = self.context_length
+        if spec.batching == "continuous":
+            tokens, detail = CB_NUM_BLOCKS * CB_PAGE_SIZE, f"paged pool of {CB_NUM_BLOCKS * CB_PAGE_SIZE} tokens"
+        else:
+            tokens, detail = ctx, f"one sequence of {ctx} tokens"
+            if spec.prefix_cache:
+                tokens += spec.prefix_cache_tokens
+                detail += f" + {spec.prefix_cache_tokens} stored prefix tokens"
+        kv = tokens * self.shape.kv_bytes_per_token
+        if "draft" in variants:
+            kv += ctx * self._draft().kv_bytes_per_token
+            detail += " + draft KV"
+        return kv, detail
+
+    def _draft(self) -> ModelShape:
+        """The draft model's shape, read once; a draft whose config cannot be read is unavailable."""
+        if self._draft_shape is None:
+            what = f"draft weights of {self.preset.name}"
+            try:
+                config = load_config(self.weights.ref("draft"), what)
+            except WeightsNotFound as exc:
+                raise VariantUnavailable(str(exc)) from None
+            self._draft_shape = ModelShape.from_config(config, self.dtype.itemsize)
+        return self._draft_shape
+
+    def step_cost(self, weight_bytes: int) -> StepCost:
+        """The roofline model of one step on ``weight_bytes`` of this model's weights."""
+        shape = self.shape
+        return StepCost(shape.matmul_params, shape.attn_width, weight_bytes, shape.kv_bytes_per_token,
+                        HARDWARE.get(self.device.type, HARDWARE["cpu"]))

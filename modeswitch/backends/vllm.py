@@ -1,0 +1,128 @@
+"""The vLLM backend: modes mapped onto the fewest vLLM engines, each holding its own weights and KV.
+
+vLLM engines cannot share weights, so every distinct (weights, speculative config) gets one engine (a
+:class:`~modeswitch.engines.vllm.VllmRunner`) and the modes that differ only per request share it through
+their own fronts. This module decides what each engine runs: the checkpoint and quantization of a variant
+on this device, the draft, the dtype, the KV bytes and batch bound of the modes planned onto it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..config import LoadConfig
+from ..engines.vllm import VllmEngine, VllmRunner, engine_args, quiet_environment
+from ..memory import Footprint, MemoryPlan
+from ..models import Preset, cache_dir, local_or_hub
+from ..modes import ModeSpec
+from ..weights import VariantUnavailable
+from .base import BuiltMode, ModelInfo, Progress
+from .checkpoint import Checkpoint
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, preset: Preset, load: LoadConfig) -> None:
+        self.checkpoint = Checkpoint(preset, load)
+        self.device = str(self.checkpoint.device)
+        self._specs: dict[str, ModeSpec] = {}
+        self._runners: dict[str, VllmRunner] = {}
+        self._modes: dict[str, list[str]] = {}
+        self._start_s: dict[str, float] = {}
+        self._failed: dict[str, str] = {}
+
+    def open(self, progress: Progress) -> ModelInfo:
+        return self.checkpoint.open()
+
+    def runner_key(self, spec: ModeSpec) -> str:
+        """The engine a mode maps onto: its weights, plus its draft when it speculates."""
+        if spec.speculative is None:
+            return spec.weights
+        return f"{spec.weights}+{self.checkpoint.draft_variant(spec) or 'ngram'}-draft"
+
+    def footprint(self, spec: ModeSpec) -> Footprint:
+        variants = self.checkpoint.variant_bytes(spec)
+        self._source(spec)
+        kv, detail = self.checkpoint.kv(spec, variants)
+        key = self.runner_key(spec)
+        self._specs[spec.name] = spec  # build() sizes each engine for every mode planned onto it
+        return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())})
+
+    def _source(self, spec: ModeSpec) -> tuple[str, str | None]:
+        """The checkpoint a mode's engine loads and the quantization vLLM applies to it: fp16 (in the
+        reference dtype), the GPTQ checkpoint, and INT8 as ``int8_per_channel_weight_only`` on CPU (quantized
+        at load) or the preset's w8a8 compressed-tensors checkpoint on GPU."""
+        weights, preset = self.checkpoint.weights, self.checkpoint.preset
+        if spec.weights == "gptq":
+            return weights.ref("gptq"), None
+        if spec.weights == "int8":
+            if self.checkpoint.device.type == "cpu":
+                return weights.ref("fp16"), "int8_per_channel_weight_only"
+            if not preset.int8_vllm:
+                raise VariantUnavailable(f"model {preset.name} has no w8a8 checkpoint for vLLM on a GPU")
+            return local_or_hub(preset.int8_vllm, f"INT8 (w8a8) weights of {preset.name}"), None
+        return weights.ref("fp16"), None
+
+    def _engine_args(self, spec: ModeSpec, kv_bytes: int, max_num_seqs: int) -> dict[str, Any]:
+        checkpoint = self.checkpoint
+        model, quantization = self._source(spec)
+        draft = checkpoint.draft_variant(spec) if spec.speculative is not None else None
+        # the reference dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU
+        # GPTQ and INT8 kernels take bf16/fp16 activations only, and a draft runs in its target's dtype
+        low_precision = checkpoint.device.type == "cpu" and (spec.weights != "fp16" or draft == "gptq")
+        speculative = None
+        if spec.speculative is not None:
+            k = spec.speculative.num_tokens
+            speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                            "prompt_lookup_min": 2} if draft is None
+                           else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
+        return engine_args(
+            model=model, tokenizer=checkpoint.weights.ref("fp16"), quantization=quantization,
+            dtype="bfloat16" if low_precision else str(checkpoint.dtype).removeprefix("torch."),
+            max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
+            enforce_eager=not self.checkpoint.compiled_decode, speculative_config=speculative)
+
+    def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
+        key = self.runner_key(spec)
+        if key in self._failed:  # its engine failed to start for an earlier mode: do not wait for it twice
+            raise RuntimeError(self._failed[key])
+        runner = self._runners.get(key)
+        if runner is None:
+            modes = plan.users[key]
+            kv = sum(f.kv_bytes for f in plan.footprints if f.weights == key)
+            args = self._engine_args(spec, kv, sum(self._specs[m].max_queue for m in modes))
+            progress(f"starting vLLM engine {key} ({len(self._runners) + len(self._failed) + 1} of "
+                     f"{len(plan.users)}) for {', '.join(modes)}")
+            quiet_environment(str(cache_dir()))
+            started = time.perf_counter()
+            try:
+                runner = VllmRunner(key, args)
+            except Exception as exc:
+                self._failed[key] = f"vLLM engine {key} failed to start: {exc}"
+                raise
+            self._runners[key], self._modes[key] = runner, modes
+            self._start_s[key] = time.perf_counter() - started
+        details: dict[str, Any] = {"vllm_engine": key}
+        if spec.speculative is not None:
+            draft = runner.engine_args["speculative_config"]
+            details["draft"] = draft.get("method") or draft.get("model")
+        engine = VllmEngine(spec.name, runner, spec.max_queue, spec.prefix_cache, spec.speculative is not None)
+        return BuiltMode(engine, details, self.checkpoint.step_cost(plan.weights[key]))
+
+    def resident_weights(self) -> dict[str, int]:
+        """None here: every engine holds its weights in its own engine-core process (see :meth:`describe`)."""
+        return {}
+
+    def startup_seconds(self) -> dict[str, float]:
+        return {f"vllm:{key}": t for key, t in self._start_s.items()}
+
+    def describe(self) -> dict[str, Any]:
+        """Per engine: the modes on it, its start time, and the runner's own state (memory, steps, KV blocks)."""
+        return {key: {"modes": self._modes[key], "startup_s": round(self._start_s[key], 2), **runner.describe()}
+                for key, runner in self._runners.items()}
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.close()

@@ -1,0 +1,143 @@
+"""The mode registry against a backend that needs no weights: it plans, builds, warms up and reports through
+the Backend protocol alone, and a mode that cannot be had, built or warmed up is listed with its reason."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from modeswitch.backends.base import BuiltMode, ModelInfo
+from modeswitch.config import LoadConfig
+from modeswitch.engines.base import Engine, GenRequest, SamplingParams
+from modeswitch.memory import Footprint, MemoryBudgetExceeded
+from modeswitch.models import PRESETS
+from modeswitch.modes import ModeSpec
+from modeswitch.registry import ModeRegistry
+from modeswitch.weights import VariantUnavailable
+
+GIB = 2**30
+
+
+class _Tokenizer:
+    def __call__(self, text: str):
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})()
+
+
+class _EchoEngine(Engine):
+    """Generates the prompt's first tokens back; ``fail`` makes it fail every request (warm-up included)."""
+
+    def __init__(self, max_queue: int, fail: bool = False, reuses: int | None = None) -> None:
+        super().__init__(max_queue)
+        self.fail, self.reuses = fail, reuses
+        self.closed = threading.Event()
+
+    def _enqueue(self, req: GenRequest) -> None:
+        if self.fail:
+            req.emit("error", error="RuntimeError: broken")
+            return
+        req.emit("tokens", req.prompt_ids[: req.params.max_tokens])
+        req.emit("done", finish_reason="length", cached_tokens=0)
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        return self.reuses
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class _Backend:
+    """Every mode on its own 1 GiB of weights and 1 MiB of KV; what to refuse is set per mode name."""
+
+    name = "stub"
+    device = "cpu"
+
+    def __init__(self, missing=(), broken=(), failing=()) -> None:
+        self.missing, self.broken, self.failing = set(missing), set(broken), set(failing)
+        self.closed = False
+
+    def open(self, progress) -> ModelInfo:
+        return ModelInfo(_Tokenizer(), context_length=2048, kv_bytes_per_token=1024)
+
+    def footprint(self, spec: ModeSpec) -> Footprint:
+        if spec.name in self.missing:
+            raise VariantUnavailable(f"no {spec.weights} checkpoint here")
+        return Footprint(spec.name, spec.weights, 2**20, "stub KV", {spec.weights: GIB})
+
+    def build(self, spec: ModeSpec, plan, progress) -> BuiltMode:
+        if spec.name in self.broken:
+            raise RuntimeError("engine would not start")
+        engine = _EchoEngine(spec.max_queue, fail=spec.name in self.failing,
+                             reuses=7 if spec.prefix_cache else None)
+        return BuiltMode(engine, {"built_by": "stub"})
+
+    def resident_weights(self) -> dict[str, int]:
+        return {"fp16": GIB}
+
+    def startup_seconds(self) -> dict[str, float]:
+        return {"stub:start": 0.5}
+
+    def describe(self) -> dict:
+        return {"stub": {"engines": 1}}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+MODES = [ModeSpec("fp16", "fp16"), ModeSpec("prefix_cache", "fp16", prefix_cache=True),
+         ModeSpec("gptq", "gptq"), ModeSpec("int8", "int8"), ModeSpec("broken_warm_up", "fp16")]
+
+
+def registry(backend: _Backend, budget: int = 8 * GIB) -> ModeRegistry:
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=budget), backend=backend)
+    reg.load(progress=lambda line: None)
+    return reg
+
+
+def test_modes_are_built_through_any_backend_and_unservable_ones_keep_their_reason():
+    backend = _Backend(missing={"gptq"}, broken={"int8"}, failing={"broken_warm_up"})
+    reg = registry(backend)
+    assert reg.engine_kind == "stub" and reg.context_length == 2048 and reg.kv_bytes_per_token == 1024
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache"]
+    assert reg.modes["gptq"].reason == "no gptq checkpoint here"
+    assert reg.modes["int8"].reason == "failed to start: engine would not start"
+    assert reg.modes["broken_warm_up"].reason == "failed warm-up: RuntimeError: broken"
+    assert reg.modes["broken_warm_up"].engine is None
+    # the plan counts what the backend planned (gptq had nothing to plan), weights once per holder
+    assert reg.plan.weights == {"fp16": GIB, "int8": GIB} and len(reg.plan.footprints) == 4
+    cards = {c["name"]: c for c in reg.describe()}
+    assert cards["fp16"]["engine"] == "stub" and cards["fp16"]["built_by"] == "stub"
+    assert cards["fp16"]["memory"]["weights_shared_with"] == ["prefix_cache", "broken_warm_up"]
+    assert cards["fp16"]["stats"] == {} and "memory" not in cards["gptq"]
+    assert reg.memory()["weights_bytes"] == {"fp16": GIB} and reg.engines() == {"stub": {"engines": 1}}
+    assert reg.startup_seconds()["stub:start"] == 0.5 and "mode:fp16" in reg.startup_seconds()
+    reg.close()
+    assert backend.closed and reg.modes["fp16"].engine.closed.is_set()
+
+
+def test_prefix_matches_come_from_the_modes_that_read_a_prefix_cache():
+    reg = registry(_Backend())
+    assert reg.prefix_matches([1, 2, 3]) == {"prefix_cache": 7}
+
+
+def test_mode_state_is_what_the_controller_reads():
+    reg = registry(_Backend())
+    state = reg.modes["fp16"]
+    req = GenRequest([1, 2, 3], SamplingParams(max_tokens=2))
+    state.engine.submit(req)
+    assert req.events.get(timeout=5).token_ids == (1, 2)
+    assert (state.available, state.reason, state.in_flight, state.max_queue) == (True, "", 0, 8)
+    assert (state.supports_sampling, state.supports_scoring, state.preallocated_kv) == (True, True, False)
+    assert state.quarantine_left == 0 and state.last_error == "" and state.j_per_token is None
+    state.record_failure("boom")
+    assert state.quarantine_left > 0 and state.last_error == "boom"
+    state.record_energy(2.0, 4)
+    assert state.j_per_token == 0.5
+    reg.close()
+
+
+def test_a_plan_over_the_budget_is_refused_before_anything_is_built():
+    backend = _Backend()
+    with pytest.raises(MemoryBudgetExceeded, match="load fewer modes"):
+        registry(backend, budget=GIB)
+    assert not backend.closed
