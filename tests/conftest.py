@@ -84,7 +84,8 @@ def make_app(tmp_path):
 
     def make(modes=DEFAULT_FAKE_MODES, policy: str | None = None, scripts=None, unavailable=None,
              context_length: int = 2048, modes_dirs=(), **http) -> App:
-        policy_file = tmp_path / f"policy{len(made)}.yaml"
+        policy_file = tmp_path / "policies" / f"policy{len(made)}.yaml"
+        policy_file.parent.mkdir(exist_ok=True)
         policy_file.write_text(policy or f"name: test\nrules: []\ndefault: [{modes[0]}]\n")
         config = ServerConfig(model="demo", modes=tuple(modes), modes_dirs=tuple(modes_dirs), policy=policy_file,
                               gate_report="none", http=HttpConfig(**http))

@@ -50,6 +50,7 @@ class FakeEngine(Engine):
         self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
         prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
         self.submitted = 0
+        self.prefix = {"prefix_queries": 0, "prefix_hits": 0, "prefix_hit_tokens": 0}  # as engines report them
         self._prefixes = RadixTree() if prefix_cache else None
         self._queue: queue.Queue[tuple[GenRequest, bool] | None] = queue.Queue()
         self._stop = threading.Event()
@@ -84,8 +85,11 @@ class FakeEngine(Engine):
             req.emit("error", error="RuntimeError: injected fault")
             return
         cached = self.prefix_match(req.prompt_ids) or 0
-        if self._prefixes is not None:
+        if self._prefixes is not None and not warm_up:
             self._prefixes.insert(req.prompt_ids, True)
+            self.prefix["prefix_queries"] += 1
+            self.prefix["prefix_hits"] += cached > 0
+            self.prefix["prefix_hit_tokens"] += cached
         if req.params.prompt_logprobs is not None:
             self._score(req)
             return
@@ -113,7 +117,7 @@ class FakeEngine(Engine):
                            "top_logprobs": [None] + tops})
 
     def stats(self) -> dict[str, Any]:
-        return {"submitted": self.submitted}
+        return {"submitted": self.submitted, **(self.prefix if self._prefixes is not None else {})}
 
     def close(self) -> None:
         self._stop.set()
