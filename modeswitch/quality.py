@@ -1,8 +1,8 @@
 """Cheap quality measurements between weight variants: held-out perplexity and greedy agreement.
 
 The lm-eval quality gate is the authority on accuracy; these two numbers are what the modes benchmark
-and the quantization tests check on the way (perplexity barely moves under int8, so agreement is
-tracked as well, STACK.md).
+and the quantization tests check on the way (perplexity barely moves under int8, so greedy agreement with
+fp16 is tracked as well).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-from .compose import build_app
 from .config import DECODE_PATHS, DTYPES, ENGINES, HttpConfig, LoadConfig, ServerConfig
 from .memory import MemoryBudgetExceeded, parse_bytes
 from .models import PRESETS, WeightsNotFound
@@ -88,6 +87,11 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
+    # Imported here, not at the top: vLLM's engine processes re-import the main module (serve.py and so this
+    # one), and vLLM then scans every loaded module's globals, which Flask's request/app proxies break. The
+    # HTTP layer is imported only by the process that serves it.
+    from .compose import build_app
+
     try:
         assembled = build_app(config_from_args(args), backend=backend)
     except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:

@@ -76,8 +76,10 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
         assert listed["degraded"]["quality_gate"].startswith("fails the quality gate")
         assert listed["prefix_cache"]["quality_gate"] == "pass"
 
-        broken = requests.post(url + "/admin/gate", json={"path": str(tmp_path / "nope.json")}, timeout=10)
+        broken = requests.post(url + "/admin/gate", json={"path": str(path.with_name("nope.json"))}, timeout=10)
         assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_gate_report"
+        outside = requests.post(url + "/admin/gate", json={"path": str(tmp_path / "policy.yaml")}, timeout=10)
+        assert outside.status_code == 400 and outside.json()["error"]["code"] == "path_not_allowed"
         # a report in which the degraded mode passes is picked up without a restart
         edited = json.loads(path.read_text())
         edited["modes"]["degraded"] = edited["modes"]["fp16"]
