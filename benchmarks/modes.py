@@ -109,13 +109,14 @@ def perplexities(model_arg: str, variants: list[str]) -> dict[str, float]:
 
 
 def decision_loop(server_args: list[str], n: int = 20000) -> dict:
-    """Controller cost in-process: the real pool and policy, varied features, n decisions."""
+    """Controller cost in-process: the real registry and policy, varied features, n decisions."""
     import random
 
     from modeswitch.engines.base import SamplingParams
-    from modeswitch.server import build_parser, build_service
+    from modeswitch.compose import build_service
+    from modeswitch.server import build_parser, config_from_args
 
-    service = build_service(build_parser().parse_args(server_args), progress=lambda s: None)
+    service = build_service(config_from_args(build_parser().parse_args(server_args)), progress=lambda s: None)
     rng = random.Random(0)
     ids = [[rng.randrange(1000, 2000) for _ in range(rng.choice([16, 128, 512, 1024]))] for _ in range(64)]
     dec, feat = [], []
@@ -128,7 +129,7 @@ def decision_loop(server_args: list[str], n: int = 20000) -> dict:
         t2 = time.perf_counter()
         feat.append((t1 - t0) * 1e6)
         dec.append((t2 - t1) * 1e6)
-    service.pool.close()
+    service.registry.close()
     return {"n": n, "decide_us_p50": pct(dec, 0.5), "decide_us_p99": pct(dec, 0.99),
             "features_us_p50": pct(feat, 0.5), "features_us_p99": pct(feat, 0.99)}
 

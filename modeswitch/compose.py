@@ -11,13 +11,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
-from flask import Flask
+from typing import Any, Callable, Sequence
 
 from .admission import Admission
-from .api.app import create_app
-from .api.context import ApiContext
 from .config import NO_GATE, ServerConfig
 from .controller.decide import Controller
 from .controller.load import load_policy
@@ -72,15 +68,15 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     preset = resolve_preset(config.model)
     if config.gptq:
         preset = dataclasses.replace(preset, gptq=config.gptq)
-    pool = ModeRegistry(preset, list(specs), config.load, backend=backend)
-    pool.load(progress)
-    progress(f"energy: {pool.energy.source} ({pool.energy.meter.name})")
-    controller = Controller(pool.modes, policy, pool.kv_bytes_per_token, defined_modes=defined)
+    registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
+    registry.load(progress)
+    progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
+    controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined)
     report = gate_report_path(config)
     if report is not None:
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
-    return Service(pool, controller, preset.name)
+    return Service(registry, controller, preset.name)
 
 
 @dataclass
@@ -90,15 +86,21 @@ class Server:
     config: ServerConfig
     service: Service
     admission: Admission
-    app: Flask
+    app: Any  # the Flask app
 
     def close(self) -> None:
         self.service.controller.close()
-        self.service.pool.close()
+        self.service.registry.close()
 
 
 def build_app(config: ServerConfig, progress: Progress = log.info, backend=None) -> Server:
     """The whole server for ``config``, ready to be served by any WSGI server (or Flask's test client)."""
+    # The HTTP layer is imported here, not at the top: vLLM's engine processes re-import the main module
+    # (serve.py, and so this one) and then scan every loaded module's globals, which Flask's request/app
+    # proxies break. Only the process that serves HTTP loads Flask.
+    from .api.app import create_app
+    from .api.context import ApiContext
+
     service = build_service(config, progress, backend=backend)
     admission = Admission(per_client=config.http.max_inflight_per_client)
     policy_dirs = tuple(dict.fromkeys([Path(service.controller.policy.source).parent.resolve(), POLICIES_DIR]))

@@ -30,11 +30,11 @@ ENGINE_COUNTERS = {
 }
 
 
-class _PoolCollector:
+class _RegistryCollector:
     """Reads per-mode state and memory from the mode registry on every scrape."""
 
-    def __init__(self, pool: "ModeRegistry") -> None:
-        self.pool = pool
+    def __init__(self, registry: "ModeRegistry") -> None:
+        self.registry = registry
 
     def collect(self):
         from .device import memory_headroom
@@ -44,7 +44,7 @@ class _PoolCollector:
         quarantined = GaugeMetricFamily("modeswitch_mode_quarantined", "1 while the mode is quarantined", labels=["mode"])
         failures = CounterMetricFamily("modeswitch_mode_failures", "Requests a mode failed", labels=["mode"])
         engine = {k: CounterMetricFamily(name, doc, labels=["mode"]) for k, (name, doc) in ENGINE_COUNTERS.items()}
-        for name, state in self.pool.modes.items():
+        for name, state in self.registry.modes.items():
             in_flight.add_metric([name], state.in_flight)
             up.add_metric([name], 1.0 if state.available else 0.0)
             quarantined.add_metric([name], 1.0 if state.quarantine_left > 0 else 0.0)
@@ -56,11 +56,11 @@ class _PoolCollector:
         j_per_token = GaugeMetricFamily("modeswitch_mode_joules_per_token",
                                         "Running J per generated token (what the energy gate reads)",
                                         labels=["mode", "source"])
-        source = self.pool.energy.source
-        for name, state in self.pool.modes.items():
+        source = self.registry.energy.source
+        for name, state in self.registry.modes.items():
             if state.j_per_token is not None:
                 j_per_token.add_metric([name, source], state.j_per_token)
-        totals = self.pool.energy.totals()
+        totals = self.registry.energy.totals()
         idle = CounterMetricFamily("modeswitch_energy_idle_joules", "Energy while no engine step ran",
                                    labels=["source"])
         idle.add_metric([source], totals["idle_j"])
@@ -72,13 +72,13 @@ class _PoolCollector:
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)
         weights = GaugeMetricFamily("modeswitch_weights_bytes", "Resident bytes per weights variant", labels=["weights"])
-        for variant, size in self.pool.memory()["weights_bytes"].items():
+        for variant, size in self.registry.memory()["weights_bytes"].items():
             weights.add_metric([variant], size)
         yield weights
 
 
 class Metrics:
-    def __init__(self, pool: "ModeRegistry | None" = None) -> None:
+    def __init__(self, registry: "ModeRegistry | None" = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("modeswitch_requests", "Finished generation requests", ["mode", "outcome"], registry=r)
@@ -96,8 +96,8 @@ class Metrics:
                               ["mode", "source"], registry=r)
         self.rejected = Counter("modeswitch_rejected", "Requests refused before generation, by error code",
                                 ["code"], registry=r)
-        if pool is not None:
-            r.register(_PoolCollector(pool))
+        if registry is not None:
+            r.register(_RegistryCollector(registry))
 
     def decided(self, mode: str, rule: str, seconds: float) -> None:
         self.decisions.labels(mode, rule).inc()

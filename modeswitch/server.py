@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from .compose import build_app
 from .config import DECODE_PATHS, DTYPES, ENGINES, HttpConfig, LoadConfig, ServerConfig
 from .memory import MemoryBudgetExceeded, parse_bytes
 from .models import PRESETS, WeightsNotFound
@@ -87,11 +88,6 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
-    # Imported here, not at the top: vLLM's engine processes re-import the main module (serve.py and so this
-    # one), and vLLM then scans every loaded module's globals, which Flask's request/app proxies break. The
-    # HTTP layer is imported only by the process that serves it.
-    from .compose import build_app
-
     try:
         assembled = build_app(config_from_args(args), backend=backend)
     except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:
@@ -126,7 +122,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGUSR1, on_sigusr1)
     server = create_server(assembled.app, host=http.host, port=http.port, threads=http.threads, channel_timeout=600)
-    available = ", ".join(m.name for m in service.pool.available())
+    available = ", ".join(m.name for m in service.registry.available())
     log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
              time.perf_counter() - started, service.model_name, available, http.host, server.effective_port)
     try:

@@ -77,7 +77,7 @@ class Generation:
     """One request: decided, submitted, and read back, with one retry on another mode if its mode fails.
 
     A mode that fails a request (an ``error`` event, or refusing the submission) is quarantined by the
-    pool; if nothing has been sent to the client yet, the request is decided again without that mode
+    registry; if nothing has been sent to the client yet, the request is decided again without that mode
     and resubmitted once. Call :meth:`prime` before committing to a response (it waits for the first
     tokens, so the mode named in headers is the one that really serves), then iterate :meth:`deltas`.
     """
@@ -112,16 +112,16 @@ class Generation:
     def _submit(self) -> None:
         """Decide and submit; a mode that refuses the submission is excluded and the decision retaken.
         Raises :class:`NoEligibleMode` when nothing can take the request."""
-        pool = self.service.pool
+        registry = self.service.registry
         while True:
             decision = self.service.controller.decide(self.features, pinned=self.pinned, exclude=self._excluded)
             req = GenRequest(prompt_ids=self.prompt_ids, params=self.params)
             try:
-                pool.modes[decision.mode].engine.submit(req)
+                registry.modes[decision.mode].engine.submit(req)
             except Exception as exc:  # full since the decision, or the engine refused: try the next choice
                 full = isinstance(exc, QueueFull)
                 if not full:
-                    pool.modes[decision.mode].record_failure(f"submit: {exc}")
+                    registry.modes[decision.mode].record_failure(f"submit: {exc}")
                 if self.pinned is not None:
                     raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
                                          Code.SATURATED if full else Code.QUARANTINED) from exc
@@ -136,7 +136,7 @@ class Generation:
 
     def _fail(self, error: str) -> None:
         """The current mode failed the request: quarantine it, and retry elsewhere if still allowed."""
-        state = self.service.pool.modes[self.mode]
+        state = self.service.registry.modes[self.mode]
         state.record_failure(error)
         self.attempts.append(f"{self.mode}: {error}")
         if self.pinned is not None or self.first_token_at is not None or len(self.attempts) >= self.MAX_ATTEMPTS:
@@ -162,11 +162,11 @@ class Generation:
             tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
         scoring = self.params.prompt_logprobs is not None
         if outcome == "ok" and not scoring:
-            self.service.pool.modes[self.mode].record_energy(self.request.energy_j, n)
+            self.service.registry.modes[self.mode].record_energy(self.request.energy_j, n)
         self.service.controller.observe(Completed(
             mode=self.mode, features=self.features, outcome=outcome, ttft_s=ttft, tpot_s=tpot,
             latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,
-            energy_j=self.energy_j, energy_source=self.service.pool.energy.source, retried=bool(self.attempts),
+            energy_j=self.energy_j, energy_source=self.service.registry.energy.source, retried=bool(self.attempts),
             scoring=scoring))
 
     def _next_event(self) -> Event:
@@ -199,7 +199,7 @@ class Generation:
 
     def energy(self) -> dict[str, Any]:
         """The request's energy for ``usage`` and the ``modeswitch`` block; ``source`` says measured or estimated."""
-        out = {"energy_j": round(self.energy_j, 6), "energy_source": self.service.pool.energy.source}
+        out = {"energy_j": round(self.energy_j, 6), "energy_source": self.service.registry.energy.source}
         if self.completion_tokens:
             out["j_per_token"] = round(self.energy_j / self.completion_tokens, 6)
         return out
@@ -223,10 +223,10 @@ class Generation:
                     if self.assembler.stopped:
                         self.finish_reason = "stop"
                         self.request.cancel()
-                        self.service.pool.modes[self.mode].record_success()
+                        self.service.registry.modes[self.mode].record_success()
                         break
                 elif event.kind == "done":
-                    self.service.pool.modes[self.mode].record_success()
+                    self.service.registry.modes[self.mode].record_success()
                     self.cached_tokens = event.info.get("cached_tokens", 0)
                     reason = event.info.get("finish_reason", "length")
                     self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
@@ -279,19 +279,19 @@ class Generation:
 
 
 class Service:
-    def __init__(self, pool: ModeRegistry, controller: Controller, model_name: str) -> None:
-        self.pool = pool
+    def __init__(self, registry: ModeRegistry, controller: Controller, model_name: str) -> None:
+        self.registry = registry
         self.controller = controller
         self.model_name = model_name
-        self.tokenizer = pool.tokenizer
-        self.metrics = Metrics(pool)
+        self.tokenizer = registry.tokenizer
+        self.metrics = Metrics(registry)
         controller.add_observer(self.metrics.finished)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
-        by_mode = self.pool.prefix_matches(prompt_ids)
+        by_mode = self.registry.prefix_matches(prompt_ids)
         match = max(by_mode.values(), default=0)
-        in_flight = {name: state.in_flight for name, state in self.pool.modes.items()}
+        in_flight = {name: state.in_flight for name, state in self.registry.modes.items()}
         free, fraction = memory_headroom()
         return Features(
             prompt_tokens=n,

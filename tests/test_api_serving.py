@@ -51,7 +51,7 @@ def test_a_multi_prompt_request_that_cannot_start_every_prompt_cancels_and_count
     """fp16 takes one request at a time (max_queue 1 via a mode file); the second prompt finds it full: the
     answer is 503 and the first prompt's generation is cancelled and counted, not left running."""
     app = make_app(scripts={"fp16": Script(token_s=0.05)})
-    app.service.pool.modes["fp16"].engine.max_queue = 1
+    app.service.registry.modes["fp16"].engine.max_queue = 1
     before = scrape(app)
     resp = app.post("/v1/completions", json={"prompt": [[104, 105], [106, 107]], "max_tokens": 100, "mode": "fp16"})
     assert resp.status_code == 503 and resp.get_json()["error"]["code"] == "overloaded"

@@ -37,14 +37,14 @@ def validated(schema):
     if req.model is not None and req.model != service.model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this server serves {service.model_name!r}",
                        param="model", code="model_not_found")
-    if req.mode is not None and req.mode not in service.pool.modes:
-        raise ApiError(400, f"unknown mode {req.mode!r}; modes: {', '.join(service.pool.modes)}", param="mode")
+    if req.mode is not None and req.mode not in service.registry.modes:
+        raise ApiError(400, f"unknown mode {req.mode!r}; modes: {', '.join(service.registry.modes)}", param="mode")
     return req
 
 
 def limit_tokens(prompt_ids: list[int], max_tokens: int | None, default: int) -> int:
     """``max_tokens`` checked against the context (or the default, capped to what is left of it)."""
-    ctx_len = ctx().service.pool.context_length
+    ctx_len = ctx().service.registry.context_length
     if len(prompt_ids) >= ctx_len:
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {ctx_len}",
                        param="prompt", code="context_length_exceeded")
@@ -102,7 +102,7 @@ def usage(gen: Generation) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
             "total_tokens": prompt + gen.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-            "energy_j": round(gen.energy_j, 6), "energy_source": ctx().service.pool.energy.source}
+            "energy_j": round(gen.energy_j, 6), "energy_source": ctx().service.registry.energy.source}
 
 
 def respond(gens: list[Generation], req, kind: str, choice: Callable[[int, Generation, str], dict],
@@ -146,7 +146,7 @@ def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, 
     total = {k: sum(u[k] for u in totals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     total["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens for g in gens)}
     total["energy_j"] = round(sum(g.energy_j for g in gens), 6)
-    total["energy_source"] = service.pool.energy.source
+    total["energy_source"] = service.registry.energy.source
     rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
     resp = jsonify({"id": rid, "object": kind, "created": int(time.time()), "model": service.model_name,
                     "choices": choices, "usage": total, "modeswitch": gens[0].report()})

@@ -18,7 +18,7 @@ bp = Blueprint("ops", __name__)
 @bp.get("/health")
 def health():
     c = ctx()
-    available = len(c.service.pool.available())
+    available = len(c.service.registry.available())
     status = 200 if available else 503
     return jsonify({"status": "ok" if available else "no mode available", "model": c.service.model_name,
                     "modes_available": available, "in_flight": c.admission.active,
@@ -40,7 +40,7 @@ def models():
     c = ctx()
     return jsonify({"object": "list", "data": [{"id": c.service.model_name, "object": "model", "created": c.started,
                                                 "owned_by": "modeswitch",
-                                                "max_model_len": c.service.pool.context_length}]})
+                                                "max_model_len": c.service.registry.context_length}]})
 
 
 @bp.get("/v1/modes")
@@ -48,7 +48,7 @@ def modes():
     service = ctx().service
     controller = service.controller
     policy, report = controller.policy, controller.quality_report
-    described = service.pool.describe()
+    described = service.registry.describe()
     if report is not None:
         verdicts = judge(report, policy.quality, "general")
         for d in described:
@@ -56,9 +56,9 @@ def modes():
                                  else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
     gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
-                    "quality_gate": gate, "memory": service.pool.memory(),
-                    "startup_seconds": service.pool.startup_seconds(), "engine": service.pool.engine_kind,
-                    "vllm_engines": service.pool.engines()})
+                    "quality_gate": gate, "memory": service.registry.memory(),
+                    "startup_seconds": service.registry.startup_seconds(), "engine": service.registry.engine_kind,
+                    "vllm_engines": service.registry.engines()})
 
 
 # ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)
@@ -67,7 +67,7 @@ def tokenize():
     service = ctx().service
     req = parse(TokenizeBody, body())
     tokens = service.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": service.pool.context_length})
+    return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": service.registry.context_length})
 
 
 @bp.post("/detokenize")
@@ -86,4 +86,4 @@ def tokenizer_info():
     tok = service.tokenizer
     return jsonify({"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
                     "pad_token": tok.pad_token, "chat_template": tok.chat_template,
-                    "model_max_length": service.pool.context_length, "vocab_size": len(tok)})
+                    "model_max_length": service.registry.context_length, "vocab_size": len(tok)})

@@ -1,4 +1,4 @@
-"""lm-eval model ``modeswitch``: any mode of the pool as an lm-eval LM.
+"""lm-eval model ``modeswitch``: any mode of the registry as an lm-eval LM.
 
     lm_eval --model modeswitch --model_args model=demo,mode=gptq --tasks jargon_cloze --include_path evals/tasks
 
@@ -44,13 +44,13 @@ class ModeSwitchLM(TemplateLM):
                               load=LoadConfig(device=device, max_model_len=max_length))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=[spec], policy=policy)
-        self.pool = self.service.pool
-        state = self.pool.modes[mode]
+        self.registry = self.service.pool
+        state = self.registry.modes[mode]
         if not state.available:
-            self.pool.close()
+            self.registry.close()
             raise RuntimeError(f"mode {mode} is unavailable: {state.reason}")
-        self.tokenizer = self.pool.tokenizer
-        self.scorer = self.pool.backend.weights.models[spec.weights]  # the transformers backend's weights
+        self.tokenizer = self.registry.tokenizer
+        self.scorer = self.registry.backend.weights.models[spec.weights]  # the transformers backend's weights
         self._max_length = max_length
 
     # ------------------------------------------------------------------ tokenization (as lm-eval's hf model)

@@ -85,7 +85,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
             if generating:
                 results.update(evaluate(lm, generating, limit)["results"])
         finally:
-            lm.pool.close()
+            lm.registry.close()
         modes[spec.name] = {t: {"metric": kinds[t]["metric"], "value": float(results[t][kinds[t]["metric"]]),
                                 "stderr": _num(results[t].get(kinds[t]["metric"].replace(",", "_stderr,", 1)))}
                             for t in kinds}
