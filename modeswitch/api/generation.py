@@ -129,6 +129,10 @@ def respond(gens: list[Generation], req, kind: str, choice: Callable[[int, Gener
             close_all(gens)
 
 
+def response_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
 def _headers(gens: list[Generation]) -> dict[str, str]:
     return {"X-ModeSwitch-Mode": ",".join(dict.fromkeys(g.mode for g in gens))}
 
@@ -147,8 +151,7 @@ def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, 
     total["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens for g in gens)}
     total["energy_j"] = round(sum(g.energy_j for g in gens), 6)
     total["energy_source"] = service.registry.energy.source
-    rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-    resp = jsonify({"id": rid, "object": kind, "created": int(time.time()), "model": service.model_name,
+    resp = jsonify({"id": response_id(kind), "object": kind, "created": int(time.time()), "model": service.model_name,
                     "choices": choices, "usage": total, "modeswitch": gens[0].report()})
     resp.headers.update(_headers(gens))
     return resp
@@ -162,7 +165,7 @@ def _stream(gen: Generation, req, kind: str, piece) -> Response:
 
 def _sse(gen: Generation, req, kind: str, piece) -> Iterator[str]:
     model = ctx().service.model_name
-    rid = ("chatcmpl-" if piece is None else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = response_id(kind)
     created = int(time.time())
     obj = kind + ".chunk" if piece is None else kind
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -32,7 +34,13 @@ def metrics():
 
 @bp.get("/openapi.json")
 def openapi():
-    return jsonify(build_spec(auth=bool(ctx().http.api_key)))
+    return jsonify(_spec(bool(ctx().http.api_key)))
+
+
+@lru_cache(maxsize=2)
+def _spec(auth: bool) -> dict:
+    """The document depends only on whether a key is required: built once for each."""
+    return build_spec(auth=auth)
 
 
 @bp.get("/v1/models")
