@@ -44,7 +44,7 @@ class ModeSwitchLM(TemplateLM):
                               load=LoadConfig(device=device, max_model_len=max_length))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=[spec], policy=policy)
-        self.registry = self.service.pool
+        self.registry = self.service.registry
         state = self.registry.modes[mode]
         if not state.available:
             self.registry.close()

@@ -1,0 +1,149 @@
+"""ModeSwitch against vLLM's own OpenAI server, driven by vLLM's own benchmark client, on one machine.
+
+Each server is started alone (nothing else running), then ``vllm bench serve`` sends the same workloads to
+it: ``random`` (256 -> 32 tokens) and ``prefix_repetition`` (2 prefixes of 256 tokens + 32-token suffixes ->
+32 tokens), 16 prompts at 4 concurrent clients, greedy, ignore-eos. The table gives output tokens/s and
+median TTFT per server and workload, with each one's ratio to vLLM's server from the same run; JSON with the
+client's full results lands in benchmarks/results/.
+
+    .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
+
+Defaults compare vLLM's server with ``make serve``'s default, with all 8 modes on vLLM engines, and with one
+vLLM engine serving fp16 alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.launcher import ROOT, free_port, start_server  # noqa: E402
+
+CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
+WORKLOADS = {
+    "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32"],
+    "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
+                          "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "2",
+                          "--prefix-repetition-output-len", "32"],
+}
+DEFAULT_MODESWITCH = [
+    "make serve default=",
+    "8 modes on vLLM=--engine vllm",
+    "vLLM, fp16 alone=--engine vllm --modes fp16 --policy policies/fp16.yaml",
+]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def start_vllm(model_dir: str, name: str, log_dir: Path) -> tuple[subprocess.Popen, str, float]:
+    """vLLM's own OpenAI server on a free port, fp32 like ModeSwitch's CPU engines; (process, URL, start s)."""
+    port = free_port()
+    log = (log_dir / f"vllm-server-{port}.log").open("w")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "8192"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - started < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}; see {log.name}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, time.perf_counter() - started
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"vLLM's server not ready in 900 s; see {log.name}")
+
+
+def bench(url: str, name: str, tokenizer: str, workload: str, out: Path) -> dict:
+    """One ``vllm bench serve`` run; the client's own result JSON."""
+    cmd = [sys.executable, CLI, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
+           "/v1/completions", "--model", name, "--tokenizer", tokenizer, *WORKLOADS[workload], "--num-prompts", "16",
+           "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0", "--save-result",
+           "--result-dir", str(out.parent), "--result-filename", out.name]
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo", help="ModeSwitch preset or path (vLLM's server gets its fp16 weights)")
+    ap.add_argument("--modeswitch", action="append", default=None,
+                    help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: three)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    from modeswitch.models import local_or_hub, resolve_preset
+
+    model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
+    workloads = args.workloads.split(",")
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        servers = [("vLLM's own server", None)] + [tuple(s.split("=", 1)) for s in args.modeswitch or DEFAULT_MODESWITCH]
+        for label, flags in servers:
+            print(f"starting {label} ...", flush=True)
+            if flags is None:
+                proc, url, start_s = start_vllm(model_dir, args.model, tmp)
+            else:
+                t0 = time.perf_counter()
+                proc, url, _ = start_server(tmp, "--model", args.model, *shlex.split(flags), wait_s=900)
+                start_s = time.perf_counter() - t0
+            try:
+                for workload in workloads:
+                    result = bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}.json")
+                    runs.append({"server": label, "flags": flags, "workload": workload, "start_s": round(start_s, 1),
+                                 "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
+                                 "tpot_p50_ms": result["median_tpot_ms"], "completed": result["completed"],
+                                 "client": result})
+                    print(f"  {workload}: {result['output_throughput']:.1f} out tok/s, TTFT p50 "
+                          f"{result['median_ttft_ms']:.0f} ms", flush=True)
+            finally:
+                stop(proc)
+    ref = {r["workload"]: r for r in runs if r["flags"] is None}
+    lines = ["| server | workload | out tok/s | vs vLLM | TTFT p50 ms | vs vLLM | start s |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        base = ref[r["workload"]]
+        r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+        r["ttft_ratio"] = round(r["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
+        lines.append(f"| {r['server']} | {r['workload']} | {r['output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | "
+                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f}x | {r['start_s']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    stem = f"{date.today()}_vs_vllm_{Path(args.model).name}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
+    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {platform.machine()}, "
+                                    f"{os.cpu_count()} cores)\n\nvLLM's benchmark client: 16 prompts, 4 concurrent, "
+                                    f"greedy, ignore-eos.\n\n{table}\n")
+    print(f"wrote {out / stem}.json/.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
