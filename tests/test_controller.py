@@ -199,6 +199,6 @@ def test_the_gate_report_and_the_router_judge_every_mode_alike(tolerance):
 # ---------------------------------------------------------------------------------------------- layering
 def test_the_controller_imports_no_registry_engine_or_eval_harness():
     code = ("import sys, modeswitch.controller.decide, modeswitch.controller.quality; "
-            "print(sorted(m for m in ('modeswitch.pool', 'modeswitch.engines', 'torch', 'lm_eval') if m in sys.modules))")
+            "print(sorted(m for m in ('modeswitch.registry', 'modeswitch.backends', 'modeswitch.engines', 'torch', 'lm_eval') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
