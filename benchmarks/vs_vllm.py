@@ -7,9 +7,11 @@ median TTFT per server and workload, with each one's ratio to vLLM's server from
 client's full results lands in benchmarks/results/.
 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
+                                           [--vllm "label=ENV=VALUE ..." ...]
 
-Defaults compare vLLM's server with ``make serve``'s default, with all 8 modes on vLLM engines, and with one
-vLLM engine serving fp16 alone.
+Defaults compare vLLM's server (as it starts by default; the first ``--vllm`` row is the reference of every
+ratio, further rows start it with other environment settings) with ``make serve``'s default, with all 8
+modes on vLLM engines, and with one vLLM engine serving fp16 alone.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def start_vllm(model_dir: str, name: str, log_dir: Path) -> tuple[subprocess.Popen, str, float]:
+def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str, float]:
     """vLLM's own OpenAI server on a free port, fp32 like ModeSwitch's CPU engines; (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "8192"], stdout=log, stderr=subprocess.STDOUT,
@@ -93,6 +96,8 @@ def main() -> int:
     ap.add_argument("--model", default="demo", help="ModeSwitch preset or path (vLLM's server gets its fp16 weights)")
     ap.add_argument("--modeswitch", action="append", default=None,
                     help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: three)")
+    ap.add_argument("--vllm", action="append", default=None,
+                    help="'label=ENV=VALUE ...' for one vLLM server (repeatable; default: one, as it starts by default)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -104,11 +109,13 @@ def main() -> int:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        servers = [("vLLM's own server", None)] + [tuple(s.split("=", 1)) for s in args.modeswitch or DEFAULT_MODESWITCH]
-        for label, flags in servers:
+        vllm = [(label, None, dict(kv.split("=", 1) for kv in shlex.split(env)))
+                for label, env in (s.split("=", 1) for s in args.vllm or ["vLLM's own server="])]
+        servers = vllm + [(*s.split("=", 1), None) for s in args.modeswitch or DEFAULT_MODESWITCH]
+        for label, flags, env in servers:
             print(f"starting {label} ...", flush=True)
             if flags is None:
-                proc, url, start_s = start_vllm(model_dir, args.model, tmp)
+                proc, url, start_s = start_vllm(model_dir, args.model, tmp, env)
             else:
                 t0 = time.perf_counter()
                 proc, url, _ = start_server(tmp, "--model", args.model, *shlex.split(flags), wait_s=900)
@@ -116,7 +123,8 @@ def main() -> int:
             try:
                 for workload in workloads:
                     result = bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}.json")
-                    runs.append({"server": label, "flags": flags, "workload": workload, "start_s": round(start_s, 1),
+                    runs.append({"server": label, "flags": flags, "env": env, "workload": workload,
+                                 "start_s": round(start_s, 1),
                                  "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
                                  "tpot_p50_ms": result["median_tpot_ms"], "completed": result["completed"],
                                  "client": result})
@@ -124,7 +132,10 @@ def main() -> int:
                           f"{result['median_ttft_ms']:.0f} ms", flush=True)
             finally:
                 stop(proc)
-    ref = {r["workload"]: r for r in runs if r["flags"] is None}
+    ref = {}
+    for r in runs:  # the first vLLM server is the reference
+        if r["flags"] is None:
+            ref.setdefault(r["workload"], r)
     lines = ["| server | workload | out tok/s | vs vLLM | TTFT p50 ms | vs vLLM | start s |", "|---|---|---|---|---|---|---|"]
     for r in runs:
         base = ref[r["workload"]]

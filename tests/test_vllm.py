@@ -91,6 +91,23 @@ def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
 
 
+def test_prompt_scoring_matches_the_transformers_engine(vllm_server, server):
+    """What lm-eval's local-completions sends (token ids, echo, logprobs, one token) answered on vLLM modes."""
+    ids = requests.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()["tokens"]
+    body = {"model": "demo", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}
+    ref = server.post("/v1/completions", json={**body, "mode": "fp16"}).json()["choices"][0]["logprobs"]
+    for mode in ("fp16", "prefix_cache"):
+        resp = requests.post(vllm_server + "/v1/completions", json={**body, "mode": mode}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        got = resp.json()["choices"][0]["logprobs"]
+        assert got["tokens"] == ref["tokens"] and got["token_logprobs"][0] is None
+        assert max(abs(a - b) for a, b in zip(got["token_logprobs"][1:], ref["token_logprobs"][1:])) < 0.01
+        assert all(len(top) == 2 for top in got["top_logprobs"][1:])
+        assert [max(t, key=t.get) for t in got["top_logprobs"][1:]] == [max(t, key=t.get) for t in ref["top_logprobs"][1:]]
+    unpinned = requests.post(vllm_server + "/v1/completions", json=body, timeout=120).json()
+    assert unpinned["modeswitch"]["mode"] != "speculative"  # a speculating engine returns no prompt logprobs
+
+
 def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
     prompt = "one two three four five one two three four five one two three four five one two"
     spec = complete(vllm_server, prompt, "speculative", max_tokens=32)

@@ -13,8 +13,8 @@ Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memo
 thread that adds requests, steps the engine, routes each step's new tokens to their requests and aborts
 cancelled ones. Its KV lives in vLLM's engine-core process, so the runner keeps a
 :class:`~modeswitch.engines.paged_prefix.PagedPrefixShadow` of the sequences it has computed: what a prompt
-would reuse is known before the request is sent. Prompt scoring (echo + logprobs) stays with the
-transformers engine. Which checkpoint and options an engine runs with is decided above this layer
+would reuse is known before the request is sent. Prompt scoring (echo + logprobs, what lm-eval's
+``local-completions`` sends) runs as a one-token request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above this layer
 (``modeswitch.backends.vllm``); this module deals in plain engine arguments.
 """
 
@@ -76,6 +76,18 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     return args
 
 
+def scores(live: "_Live", k: int) -> dict[str, list]:
+    """A scoring request's result in the shape the transformers engine gives (``GenerateEngine._score``):
+    per prompt token after the first and for the generated token, its logprob and the ``k`` most likely
+    tokens at that position (vLLM adds the actual token to its top ``k``; it is kept only by rank)."""
+    ids = list(live.req.prompt_ids)
+    positions = [live.prompt_logprobs[i] for i in range(1, len(ids))] + [live.logprobs[0]]
+    following = ids[1:] + live.output_ids[:1]
+    return {"token_ids": ids + live.output_ids[:1],
+            "token_logprobs": [None] + [d[t].logprob for d, t in zip(positions, following)],
+            "top_logprobs": [None] + [{t: lp.logprob for t, lp in d.items() if lp.rank <= k} for d in positions]}
+
+
 @dataclass
 class _Live:
     req: GenRequest
@@ -83,6 +95,9 @@ class _Live:
     prompt_tokens: int
     output_ids: list[int] = field(default_factory=list)
     steps: int = 0
+    #: scoring requests: vLLM's logprobs of each prompt position, and of the generated token
+    prompt_logprobs: Any = None
+    logprobs: list = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -144,10 +159,12 @@ class VllmRunner:
 
     # ------------------------------------------------------------------ the driver thread
     def _admit(self, block: bool) -> bool:
-        """Move requests from the inbox into the engine; False once the runner is closing."""
+        """Move requests from the inbox into the engine; False once the runner is closing. ``block``: the
+        engine is idle, so wait for the next request (or close's sentinel) without polling: a resident engine
+        that serves nothing costs no wake-ups."""
         while True:
             try:
-                item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+                item = self._inbox.get() if block else self._inbox.get_nowait()
             except queue.Empty:
                 return True
             block = False
@@ -211,6 +228,9 @@ class VllmRunner:
             return
         completion = out.outputs[0]
         new = list(completion.token_ids)
+        if out.prompt_logprobs is not None:
+            live.prompt_logprobs = out.prompt_logprobs
+        live.logprobs.extend(completion.logprobs or ())
         if new:
             live.output_ids.extend(new)
             live.steps += 1
@@ -241,7 +261,6 @@ class VllmRunner:
 class VllmEngine(Engine):
     """A mode's front on a shared :class:`VllmRunner`: its queue bound, request options and statistics."""
 
-    supports_scoring = False  # prompt logprobs stay with the transformers engine
     preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
 
     def __init__(self, name: str, runner: VllmRunner, max_queue: int, prefix_cache: bool,
@@ -251,6 +270,8 @@ class VllmEngine(Engine):
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.speculative = speculative
+        #: prompt logprobs come from the target model's forward pass; a speculating engine does not return them
+        self.supports_scoring = not speculative
         self.counters = {"requests": 0, "generated_tokens": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
@@ -271,9 +292,14 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         p = req.params
-        params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                output_kind=RequestOutputKind.DELTA, detokenize=False,
-                                skip_reading_prefix_cache=not self.prefix_cache)
+        if p.prompt_logprobs is not None:  # scoring: every prompt token's logprob and one greedy token
+            k = max(1, p.prompt_logprobs)
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
+                                    output_kind=RequestOutputKind.DELTA, detokenize=False)
+        else:
+            params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                    output_kind=RequestOutputKind.DELTA, detokenize=False,
+                                    skip_reading_prefix_cache=not self.prefix_cache)
         self.runner.add(req, self, params)
 
     def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
@@ -287,6 +313,8 @@ class VllmEngine(Engine):
             c["prefix_queries"] += 1
             c["prefix_hits"] += int(cached_tokens > 0)
             c["prefix_hit_tokens"] += cached_tokens
+        if live.req.params.prompt_logprobs is not None:
+            info["logprobs"] = scores(live, max(1, live.req.params.prompt_logprobs))
         if self.speculative:
             c["spec_steps"] += live.steps
             c["spec_tokens"] += live.generated
