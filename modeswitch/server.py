@@ -29,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/paper.yaml)")
-    p.add_argument("--engine", default="transformers", choices=ENGINES,
-                   help="transformers (portable, every feature), vllm (vLLM engines, modes mapped onto the fewest), "
-                        "or auto (vLLM where installed)")
+    p.add_argument("--engine", default="auto", choices=ENGINES,
+                   help="auto (default: vLLM where it is installed, else transformers), vllm (vLLM engines, modes "
+                        "mapped onto the fewest), or transformers (in-process, portable)")
     p.add_argument("--modes-dir", action="append", default=None,
                    help="directory of mode definitions (repeatable; default: the shipped modes/). "
                         "modes/extra holds the speculative variants")

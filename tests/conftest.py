@@ -137,8 +137,8 @@ def server(tmp_path_factory) -> Server:
         "name: speculative_draft_model\nweights: fp16\ndecoding: speculative\nspeculative: {draft: model}\n")
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
-    proc, url, log_file = start_server(tmp, "--model", "demo", "--modes-dir", str(modes), "--modes-dir", str(extra),
-                                       "--policy", str(policy), "--gate-report", "none")
+    proc, url, log_file = start_server(tmp, "--model", "demo", "--engine", "transformers", "--modes-dir", str(modes),
+                                       "--modes-dir", str(extra), "--policy", str(policy), "--gate-report", "none")
     yield Server(url, proc, policy, log_file)
     proc.terminate()
     try:

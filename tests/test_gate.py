@@ -63,8 +63,8 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     policy = tmp_path / "policy.yaml"
     policy.write_text("name: prefer-degraded\nrules: []\ndefault: [degraded, prefix_cache]\nfallback: [fp16]\n"
                       "quality: {max_drop_pp: 5.0}\n")
-    proc, url, _ = start_server(tmp_path, "--model", "demo", "--modes-dir", str(modes), "--gptq", str(degraded_dir),
-                                "--policy", str(policy), "--gate-report", str(path))
+    proc, url, _ = start_server(tmp_path, "--model", "demo", "--engine", "transformers", "--modes-dir", str(modes),
+                                "--gptq", str(degraded_dir), "--policy", str(policy), "--gate-report", str(path))
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         for _ in range(3):  # the policy prefers the degraded mode; the gate never lets a request reach it
@@ -94,8 +94,8 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
 
 def test_lm_evals_local_completions_through_the_server_matches_the_adapter(tmp_path):
     """The server as an lm-eval target: echo + logprobs on token-id prompts (scoring) and generation."""
-    proc, url, _ = start_server(tmp_path, "--model", "demo", "--modes", "fp16,continuous_batching",
-                                "--gate-report", "none")
+    proc, url, _ = start_server(tmp_path, "--model", "demo", "--engine", "transformers",
+                                "--modes", "fp16,continuous_batching", "--gate-report", "none")
     try:
         tasks = ("jargon_cloze", "jargon_copy")
         ours = evaluate("modeswitch", tasks=tasks, limit=20, model_args="model=demo,mode=fp16")["results"]

@@ -21,8 +21,8 @@ def test_a_non_editable_install_serves_the_demo_from_another_directory(tmp_path)
     elsewhere.mkdir()
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "modeswitch", "--model", "demo", "--modes", "fp16,prefix_cache",
-                             "--port", str(port)], cwd=elsewhere, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "modeswitch", "--model", "demo", "--engine", "transformers",
+                             "--modes", "fp16,prefix_cache", "--port", str(port)], cwd=elsewhere, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

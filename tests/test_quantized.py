@@ -145,8 +145,8 @@ def test_every_speculative_variant_equals_greedy_fp16(server, mode):
 
 
 def test_planner_refuses_a_mode_set_over_budget_with_each_size(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--model", "demo", "--memory-budget", "1GiB",
-                          "--port", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--model", "demo", "--engine", "transformers",
+                          "--memory-budget", "1GiB", "--port", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 2
     err = out.stderr
     assert "error: the selected modes need" in err and "memory budget is 1.00 GiB" in err

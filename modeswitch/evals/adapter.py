@@ -41,7 +41,7 @@ class ModeSwitchLM(TemplateLM):
             spec = specs[mode]
         self.mode = mode = spec.name
         config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
-                              load=LoadConfig(device=device, max_model_len=max_length))
+                              load=LoadConfig(engine="transformers", device=device, max_model_len=max_length))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=[spec], policy=policy)
         self.registry = self.service.registry
