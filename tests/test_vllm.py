@@ -108,6 +108,15 @@ def test_prompt_scoring_matches_the_transformers_engine(vllm_server, server):
     assert unpinned["modeswitch"]["mode"] != "speculative"  # a speculating engine returns no prompt logprobs
 
 
+def test_sampled_requests_are_served_by_the_batched_modes(vllm_server):
+    """vLLM samples per request, so a sampled request is not routed away from continuous batching."""
+    for mode in ("continuous_batching", "int8+continuous_batching"):
+        resp = requests.post(vllm_server + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "mode": mode})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["modeswitch"]["mode"] == mode and resp.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
     prompt = "one two three four five one two three four five one two three four five one two"
     spec = complete(vllm_server, prompt, "speculative", max_tokens=32)
