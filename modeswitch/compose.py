@@ -11,9 +11,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .admission import Admission
+from .backends.base import Backend, Progress
 from .config import NO_GATE, ServerConfig
 from .controller.decide import Controller
 from .controller.load import load_policy
@@ -25,7 +26,6 @@ from .service import Service
 from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
-Progress = Callable[[str], None]
 
 
 def mode_specs(config: ServerConfig) -> tuple[list[ModeSpec], list[str]]:
@@ -56,7 +56,7 @@ def gate_report_path(config: ServerConfig) -> Path | None:
 
 
 def build_service(config: ServerConfig, progress: Progress = log.info, *, specs: Sequence[ModeSpec] | None = None,
-                  policy=None, backend=None) -> Service:
+                  policy=None, backend: Backend | None = None) -> Service:
     """Everything but HTTP; raises WeightsNotFound / ConfigError / MemoryBudgetExceeded with a clear message.
     ``specs`` and ``policy`` replace the configured modes and policy (the lm-eval adapter serves one mode
     it was handed, pinned); ``backend`` replaces the engine family ``config.load.engine`` selects (tests)."""
@@ -93,7 +93,7 @@ class Server:
         self.service.registry.close()
 
 
-def build_app(config: ServerConfig, progress: Progress = log.info, backend=None) -> Server:
+def build_app(config: ServerConfig, progress: Progress = log.info, backend: Backend | None = None) -> Server:
     """The whole server for ``config``, ready to be served by any WSGI server (or Flask's test client)."""
     # The HTTP layer is imported here, not at the top: vLLM's engine processes re-import the main module
     # (serve.py, and so this one) and then scan every loaded module's globals, which Flask's request/app
