@@ -98,7 +98,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="modeswitch-bench-"))
     static_modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     t0 = time.perf_counter()
-    proc, url, log_file = start_server(tmp, "--model", args.model, "--gate-report", "none", *server_args)
+    # the policies and the gate report it loads later are written to (or copied into) tmp, which the server's
+    # admin routes may read from
+    proc, url, log_file = start_server(tmp, "--model", args.model, "--gate-report", "none", "--admin-dir", str(tmp),
+                                       *server_args)
     startup_s = time.perf_counter() - t0
     try:
         bench = Bench(url, TextSource(_tokenizer(args.model)), args)
@@ -115,7 +118,8 @@ def main() -> int:
         gate_path = Path(args.gate_report) if args.gate_report else ROOT / "evals" / "reports" / f"{Path(args.model).name}.json"
         verdicts = {m: "pass" for m in cards}
         if gate_path.is_file():
-            requests.post(url + "/admin/gate", json={"path": str(gate_path)}, timeout=60).raise_for_status()
+            gate_copy = shutil.copy(gate_path, tmp / gate_path.name)
+            requests.post(url + "/admin/gate", json={"path": str(gate_copy)}, timeout=60).raise_for_status()
             cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
             verdicts = {m: card.get("quality_gate", "pass") for m, card in cards.items()}
         allowed = [m for m in static_modes if verdicts[m] in ("pass", "not in report")]

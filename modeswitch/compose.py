@@ -103,9 +103,10 @@ def build_app(config: ServerConfig, progress: Progress = log.info, backend: Back
 
     service = build_service(config, progress, backend=backend)
     admission = Admission(per_client=config.http.max_inflight_per_client)
-    policy_dirs = tuple(dict.fromkeys([Path(service.controller.policy.source).parent.resolve(), POLICIES_DIR]))
+    extra = [Path(d).resolve() for d in config.admin_dirs]
+    policy_dirs = tuple(dict.fromkeys([Path(service.controller.policy.source).parent.resolve(), POLICIES_DIR, *extra]))
     report = service.controller.quality_report_path
-    report_dirs = tuple(dict.fromkeys([*([Path(report).parent.resolve()] if report else []), REPORTS_DIR]))
+    report_dirs = tuple(dict.fromkeys([*([Path(report).parent.resolve()] if report else []), REPORTS_DIR, *extra]))
     context = ApiContext(service, admission, config.http, policy_dirs, report_dirs)
     if context.admin_exposed and not config.http.unauthenticated_admin:
         progress(f"admin routes closed: listening on {config.http.host} without --api-key")

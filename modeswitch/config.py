@@ -63,5 +63,8 @@ class ServerConfig:
     policy: Path | None = None
     #: quality gate report; None: the shipped report for this model if there is one; ``NO_GATE``: off
     gate_report: str | None = None
+    #: further directories the admin routes may load policies and gate reports from (besides the policy's,
+    #: the gate report's and the shipped ones)
+    admin_dirs: tuple[Path, ...] = ()
     load: LoadConfig = field(default_factory=LoadConfig)
     http: HttpConfig = field(default_factory=HttpConfig)

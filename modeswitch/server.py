@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: no limit)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM: seconds to let in-flight requests finish before exiting")
+    p.add_argument("--admin-dir", action="append", default=None,
+                   help="a further directory POST /admin/policy and /admin/gate may load files from (repeatable; "
+                        "always allowed: the --policy and --gate-report directories and the shipped ones)")
     p.add_argument("--unauthenticated-admin", action="store_true",
                    help="serve the admin routes without --api-key on a non-loopback --host (closed otherwise)")
     return p
@@ -79,7 +82,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     modes = tuple(m.strip() for m in (args.modes or "").split(",") if m.strip())
     return ServerConfig(model=args.model, gptq=args.gptq, modes_dirs=tuple(Path(d) for d in args.modes_dir or ()),
                         modes=modes, policy=Path(args.policy) if args.policy else None,
-                        gate_report=args.gate_report, load=load, http=http)
+                        gate_report=args.gate_report, admin_dirs=tuple(Path(d) for d in args.admin_dir or ()),
+                        load=load, http=http)
 
 
 def main(argv: list[str] | None = None, backend=None) -> int:

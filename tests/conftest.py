@@ -83,12 +83,12 @@ def make_app(tmp_path):
     made: list[App] = []
 
     def make(modes=DEFAULT_FAKE_MODES, policy: str | None = None, scripts=None, unavailable=None,
-             context_length: int = 2048, modes_dirs=(), **http) -> App:
+             context_length: int = 2048, modes_dirs=(), admin_dirs=(), **http) -> App:
         policy_file = tmp_path / "policies" / f"policy{len(made)}.yaml"
         policy_file.parent.mkdir(exist_ok=True)
         policy_file.write_text(policy or f"name: test\nrules: []\ndefault: [{modes[0]}]\n")
         config = ServerConfig(model="demo", modes=tuple(modes), modes_dirs=tuple(modes_dirs), policy=policy_file,
-                              gate_report="none", http=HttpConfig(**http))
+                              gate_report="none", admin_dirs=tuple(admin_dirs), http=HttpConfig(**http))
         backend = FakeBackend(scripts, unavailable, context_length)
         app = App(build_app(config, progress=lambda s: None, backend=backend), backend, policy_file)
         made.append(app)

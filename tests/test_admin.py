@@ -53,6 +53,9 @@ def test_a_valid_policy_outside_the_policy_directories_is_refused_unread(make_ap
     resp = app.post("/admin/policy", json={"path": str(elsewhere / "fp16.yaml")})
     assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "path_not_allowed"
     assert app.get("/admin/policy").get_json()["name"] == "test"
+    # a directory the operator names (--admin-dir) is allowed
+    opened = make_app(admin_dirs=[elsewhere])
+    assert opened.post("/admin/policy", json={"path": str(elsewhere / "fp16.yaml")}).get_json()["name"] == "sneaky"
 
 
 def test_reload_switches_routing_and_a_broken_policy_is_rejected(make_app):
