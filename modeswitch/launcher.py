@@ -46,7 +46,7 @@ def start_server(log_dir: Path, *args: str, wait_s: float = 600,
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url, log_file
-        except requests.ConnectionError:
+        except requests.RequestException:  # not listening yet, or the port answers something else while starting
             pass
         time.sleep(0.2)
     proc.kill()
