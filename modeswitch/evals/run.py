@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from ..resources import EVAL_TASKS_DIR
 
-TASKS_DIR = EVAL_TASKS_DIR
 TASKS = ("jargon_cloze", "jargon_ppl", "jargon_copy")
 
 
@@ -13,7 +12,7 @@ def task_manager():
     working directory)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR))
+    return TaskManager(include_path=str(EVAL_TASKS_DIR))
 
 
 def evaluate(model, tasks=TASKS, limit: int | None = None, model_args: str | dict | None = None) -> dict:
