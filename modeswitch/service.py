@@ -239,19 +239,19 @@ class Generation:
                     break
             outcome = "ok"
         finally:
-            self.finished_at = time.perf_counter()
-            self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
-            self._record(outcome)
+            self._finish(outcome)
+
+    def _finish(self, outcome: str) -> None:
+        self.finished_at = time.perf_counter()
+        self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
+        self._record(outcome)
 
     def close(self) -> None:
         """Give up on a request that was not read to the end (another prompt of its response failed, or the
         response was never sent): cancel it so the engine frees its slot, and count it as cancelled.
         Nothing happens to a request already counted."""
-        if self._recorded:
-            return
-        self.finished_at = time.perf_counter()
-        self.request.cancel()
-        self._record("cancelled")
+        if not self._recorded:
+            self._finish("cancelled")
 
     def report(self) -> dict[str, Any]:
         """The ``modeswitch`` block of a response."""
