@@ -14,7 +14,7 @@ import uuid
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 if TYPE_CHECKING:
     from ..energy import EnergyAccountant, StepCost
@@ -90,6 +90,23 @@ def spec_tokens_per_step(counters: dict[str, int]) -> dict[str, float]:
     return {"spec_tokens_per_step": round(counters["spec_tokens"] / steps, 3)} if steps else {}
 
 
+class KvUse(NamedTuple):
+    """How full one KV pool reserved at start is, in tokens.
+
+    ``pool`` is the pool's owner, compared by identity: modes whose fronts share one engine (vLLM) return the
+    same owner, so whoever sums pools counts it once.
+    """
+
+    pool: object
+    held: int
+    capacity: int
+
+
+def paged_tokens(lengths: Iterable[int], block: int) -> int:
+    """Tokens of KV that sequences of ``lengths`` tokens hold in a paged cache: each rounded up to whole blocks."""
+    return sum(-(-n // block) * block for n in lengths)
+
+
 class Engine(ABC):
     """One mode's worker: a bounded queue in front of a model that generates token ids.
 
@@ -104,6 +121,10 @@ class Engine(ABC):
     #: True when a request allocates no new memory (its KV lives in a pool or static cache reserved at start):
     #: the memory gate keeps such modes open under memory pressure.
     preallocated_kv = False
+    #: requests generated at once (1: transformers' ``generate()``, one request at a time); the rest of
+    #: ``in_flight`` waits in the engine's queue. Engines that batch by their own scheduler override
+    #: :meth:`waiting_running` instead.
+    batch_slots = 1
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
@@ -137,6 +158,19 @@ class Engine(ABC):
     def in_flight(self) -> int:
         """Requests accepted and not finished (waiting or running): the mode's queue depth feature."""
         return self._in_flight
+
+    def waiting_running(self) -> tuple[int, int]:
+        """This mode's in-flight requests split into (waiting, running): queued, or in a batch being generated
+        (prefill included), as vLLM's ``num_requests_waiting`` / ``num_requests_running`` count them. Read on
+        every metrics scrape, from another thread: it must stay cheap (no engine calls, no waiting on a step)."""
+        in_flight = self.in_flight
+        running = min(in_flight, self.batch_slots)
+        return in_flight - running, running
+
+    def kv_use(self) -> KvUse | None:
+        """How full the KV pool this mode's requests are served from is; None for an engine without a bounded
+        pool that admissions wait on (transformers' ``generate()`` holds the KV of its one running request only)."""
+        return None
 
     def submit(self, req: GenRequest) -> None:
         """Accept ``req`` or raise :class:`QueueFull`; never blocks on generation."""

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .base import Engine, GenRequest, spec_tokens_per_step
+from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
 from .prefix_kv import PrefixKVStore
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,8 @@ class ContinuousBatchingEngine(Engine):
         self._manager_step = self.manager._generation_step
         self.manager._generation_step = self._metered_manager_step  # called once per batch step by its thread
         self.manager.start()
+        self.page_size = page_size
+        self.kv_capacity = num_blocks * page_size  # tokens of the pool as configured (transformers rounds to sectors)
         self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0}
         self._active: dict[str, tuple[GenRequest, int]] = {}
         self._active_lock = threading.Lock()
@@ -332,6 +334,28 @@ class ContinuousBatchingEngine(Engine):
             self.manager.cancel_request(req.id)
             self._finish(req)
             req.emit("done", finish_reason="cancelled", cached_tokens=0)
+
+    def _running(self) -> list[tuple[GenRequest, int]]:
+        """(request, tokens sent) of the requests in the manager's running batch, as many as its scheduler holds
+        active, taken oldest first: its FIFO scheduler admits in arrival order, and ``_active`` keeps that order."""
+        processor = self.manager.batch_processor  # None until the manager's thread has started
+        active = 0 if processor is None else len(processor.scheduler.active_requests)
+        with self._active_lock:
+            return list(self._active.values())[:active]
+
+    def waiting_running(self) -> tuple[int, int]:
+        """Running: what transformers' scheduler holds active (prefilling or decoding); the rest of this mode's
+        requests wait in the manager's queues."""
+        in_flight = self.in_flight
+        running = min(len(self._running()), in_flight)
+        return in_flight - running, running
+
+    def kv_use(self) -> KvUse:
+        """The running requests' prompt and generated tokens in whole pages. Counted from the requests rather
+        than read from the pool: transformers keeps finished requests' full blocks for prefix sharing and counts
+        them as taken, though they are released on demand (vLLM counts such blocks as free)."""
+        held = paged_tokens((len(req.prompt_ids) + sent for req, sent in self._running()), self.page_size)
+        return KvUse(self, min(held, self.kv_capacity), self.kv_capacity)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters)

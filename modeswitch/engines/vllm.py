@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .base import Engine, GenRequest, spec_tokens_per_step
+from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
 from .paged_prefix import PagedPrefixShadow
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ class VllmRunner:
         self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
         cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
         self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
+        #: how many requests vLLM's scheduler runs at once
+        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
@@ -156,6 +158,27 @@ class VllmRunner:
 
     def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
         self._inbox.put((req, front, params))
+
+    def running(self) -> list[_Live]:
+        """The requests vLLM is running, as this driver sees them: the oldest ``max_num_seqs`` of those it has
+        added (its scheduler admits first come, first served up to that bound; ``_live`` keeps arrival order).
+
+        vLLM's own counts live in its engine-core process and come back only with stats logging on, so this
+        estimate stands in for them. It errs towards running where vLLM holds a request back for want of KV
+        blocks or token budget, or preempts one. Called from other threads: ``list()`` of a dict is one step
+        under the GIL, so the driver's updates never break it."""
+        return list(self._live.values())[: self.max_num_seqs]
+
+    def kv_use(self) -> KvUse | None:
+        """KV held by the running requests (prompt and generated tokens, whole blocks), out of the engine's
+        blocks. Prefix blocks that requests share are counted once per request, so it errs high (capped at
+        the capacity); blocks kept only for prefix reuse count as free, as vLLM counts them."""
+        block = self.prefix.block_size
+        capacity = block * self.prefix.capacity_blocks
+        if not capacity:
+            return None
+        held = paged_tokens((live.prompt_tokens + live.generated for live in self.running()), block)
+        return KvUse(self, min(held, capacity), capacity)
 
     # ------------------------------------------------------------------ the driver thread
     def _admit(self, block: bool) -> bool:
@@ -286,6 +309,17 @@ class VllmEngine(Engine):
     def prefix_match(self, prompt_ids: list[int]) -> int | None:
         """What the runner's prefix cache would give this prompt; None for a mode that skips reading it."""
         return self.runner.prefix.match(prompt_ids) if self.prefix_cache else None
+
+    def waiting_running(self) -> tuple[int, int]:
+        """This mode's share of the runner's running requests (:meth:`VllmRunner.running`); its other requests
+        wait, in vLLM's queue or this runner's inbox."""
+        in_flight = self.in_flight
+        running = min(sum(live.front is self for live in self.runner.running()), in_flight)
+        return in_flight - running, running
+
+    def kv_use(self) -> KvUse | None:
+        """The runner's pool, shared by every mode on it (one owner, so it is counted once)."""
+        return self.runner.kv_use()
 
     def _enqueue(self, req: GenRequest) -> None:
         from vllm import SamplingParams

@@ -45,6 +45,7 @@ class FakeEngine(Engine):
         super().__init__(spec.max_queue)
         batched = spec.batching == "continuous"
         self.script = script
+        self.batch_slots = script.batch  # its workers serve the queue first come, first served
         self.supports_sampling = not batched if script.supports_sampling is None else script.supports_sampling
         self.supports_scoring = script.supports_scoring
         self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
