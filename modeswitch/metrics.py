@@ -4,6 +4,11 @@ Counters and histograms are updated as requests finish; per-mode state (queue de
 quarantine, the engines' own prefix-cache and speculative counters) and memory are read at scrape time
 by a collector, so they are never stale and cost nothing between scrapes. Ratios (hit rates, acceptance)
 are left to the query side: everything counted is a counter.
+
+The server's occupancy is also exported under vLLM's names (``vllm:num_requests_waiting``,
+``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``, labelled ``model_name`` as vLLM labels them):
+what Kubernetes inference gateways' endpoint pickers scrape, so they route to a ModeSwitch pod unchanged
+(see :mod:`modeswitch.occupancy`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .occupancy import occupancy
 
 if TYPE_CHECKING:
     from .controller.completed import Completed
@@ -31,10 +38,30 @@ ENGINE_COUNTERS = {
 
 
 class _RegistryCollector:
-    """Reads per-mode state and memory from the mode registry on every scrape."""
+    """Reads per-mode state, occupancy and memory from the mode registry on every scrape."""
 
-    def __init__(self, registry: "ModeRegistry") -> None:
+    def __init__(self, registry: "ModeRegistry", model_name: str) -> None:
         self.registry = registry
+        self.model_name = model_name
+
+    def _occupancy(self):
+        """The server-wide gauges a gateway's endpoint picker reads, under vLLM's names and label (the KV
+        figure is a fraction, 1 meaning full, as vLLM's is despite its name), and the per-mode split."""
+        now = occupancy(self.registry)
+        for name, doc, value in (
+                ("vllm:num_requests_waiting", "Requests queued, not yet in a running batch (all modes)", now.waiting),
+                ("vllm:num_requests_running", "Requests in a running batch (all modes)", now.running),
+                ("vllm:kv_cache_usage_perc", "Fraction of the reserved KV pools running requests hold; 1 is full",
+                 now.kv_cache_usage)):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        waiting = GaugeMetricFamily("modeswitch_mode_waiting", "Requests queued per mode", labels=["mode"])
+        running = GaugeMetricFamily("modeswitch_mode_running", "Requests in a running batch per mode", labels=["mode"])
+        for mode, (w, r) in now.per_mode.items():
+            waiting.add_metric([mode], w)
+            running.add_metric([mode], r)
+        yield from (waiting, running)
 
     def collect(self):
         from .device import memory_headroom
@@ -69,6 +96,7 @@ class _RegistryCollector:
         attributed.add_metric([source], totals["attributed_j"])
         free, fraction = memory_headroom()
         yield from (in_flight, up, quarantined, failures, *engine.values(), j_per_token, idle, attributed)
+        yield from self._occupancy()
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)
         weights = GaugeMetricFamily("modeswitch_weights_bytes", "Resident bytes per weights variant", labels=["weights"])
@@ -78,7 +106,11 @@ class _RegistryCollector:
 
 
 class Metrics:
-    def __init__(self, registry: "ModeRegistry | None" = None) -> None:
+    """The server's Prometheus registry. ``registry``: the modes whose state is read at scrape time, with
+    ``model_name`` (the served model's name) labelling the gauges gateways read; without it, only what
+    finished requests count."""
+
+    def __init__(self, registry: "ModeRegistry | None" = None, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("modeswitch_requests", "Finished generation requests", ["mode", "outcome"], registry=r)
@@ -97,7 +129,7 @@ class Metrics:
         self.rejected = Counter("modeswitch_rejected", "Requests refused before generation, by error code",
                                 ["code"], registry=r)
         if registry is not None:
-            r.register(_RegistryCollector(registry))
+            r.register(_RegistryCollector(registry, model_name))
 
     def decided(self, mode: str, rule: str, seconds: float) -> None:
         self.decisions.labels(mode, rule).inc()

@@ -284,7 +284,7 @@ class Service:
         self.controller = controller
         self.model_name = model_name
         self.tokenizer = registry.tokenizer
-        self.metrics = Metrics(registry)
+        self.metrics = Metrics(registry, model_name)
         controller.add_observer(self.metrics.finished)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
