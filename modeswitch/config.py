@@ -46,6 +46,8 @@ class HttpConfig:
     drain_timeout: float = 60.0
     #: serve the admin routes without an API key on a non-loopback bind (off: they answer 403 there)
     unauthenticated_admin: bool = False
+    #: the name this server answers as in a cluster (``modeswitch.replica``, ``X-ModeSwitch-Replica``)
+    replica: str | None = None
 
 
 @dataclass(frozen=True)

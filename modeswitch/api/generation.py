@@ -134,7 +134,20 @@ def response_id(kind: str) -> str:
 
 
 def _headers(gens: list[Generation]) -> dict[str, str]:
-    return {"X-ModeSwitch-Mode": ",".join(dict.fromkeys(g.mode for g in gens))}
+    headers = {"X-ModeSwitch-Mode": ",".join(dict.fromkeys(g.mode for g in gens))}
+    replica = ctx().http.replica
+    if replica:
+        headers["X-ModeSwitch-Replica"] = replica
+    return headers
+
+
+def _report(gen: Generation) -> dict:
+    """The ``modeswitch`` block: the generation's mode, reason and timings, and in a cluster the replica."""
+    report = gen.report()
+    replica = ctx().http.replica
+    if replica:
+        report["replica"] = replica
+    return report
 
 
 def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, str], dict]) -> Response:
@@ -144,7 +157,7 @@ def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, 
         text = "".join(gen.deltas())
         entry = {**choice(i, gen, text), "finish_reason": gen.finish_reason}
         if len(gens) > 1:
-            entry["modeswitch"] = gen.report()
+            entry["modeswitch"] = _report(gen)
         choices.append(entry)
     totals = [usage(g) for g in gens]
     total = {k: sum(u[k] for u in totals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
@@ -152,7 +165,7 @@ def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, 
     total["energy_j"] = round(sum(g.energy_j for g in gens), 6)
     total["energy_source"] = service.registry.energy.source
     resp = jsonify({"id": response_id(kind), "object": kind, "created": int(time.time()), "model": service.model_name,
-                    "choices": choices, "usage": total, "modeswitch": gens[0].report()})
+                    "choices": choices, "usage": total, "modeswitch": _report(gens[0])})
     resp.headers.update(_headers(gens))
     return resp
 
@@ -177,7 +190,7 @@ def _sse(gen: Generation, req, kind: str, piece) -> Iterator[str]:
     def wrap(text: str) -> dict:
         return {"delta": {"content": text}} if piece is None else piece(text)
 
-    first = gen.report()
+    first = _report(gen)
     del first["timings"]
     head = {"delta": {"role": "assistant", "content": ""}} if piece is None else piece("")
     yield chunk(head, None, modeswitch=first)
@@ -188,7 +201,7 @@ def _sse(gen: Generation, req, kind: str, piece) -> Iterator[str]:
         yield f"data: {json.dumps(ApiError(500, str(exc), code='mode_failed').body())}\n\n"
         yield "data: [DONE]\n\n"
         return
-    yield chunk({"delta": {}} if piece is None else piece(""), gen.finish_reason, modeswitch=gen.report())
+    yield chunk({"delta": {}} if piece is None else piece(""), gen.finish_reason, modeswitch=_report(gen))
     if req.include_usage:
         yield chunk(None, None, usage=usage(gen))
     yield "data: [DONE]\n\n"

@@ -60,7 +60,7 @@ def stream_completion(url: str, prompt, max_tokens: int, mode: str | None = None
         "mode": report.get("mode"), "reason": report.get("reason"), "policy": report.get("policy"),
         "features": report.get("features"), "prediction": report.get("prediction"),
         "decision_us": report.get("decision_us"), "cached_tokens": report.get("cached_tokens", 0),
-        "speculative": report.get("speculative"),
+        "speculative": report.get("speculative"), "replica": report.get("replica"),
     }
 
 

@@ -1,0 +1,108 @@
+"""The cluster's composition: flags -> a Ray Serve application (ingress + N ModeSwitch replicas).
+
+Used by ``python -m modeswitch.cluster`` and, as an application builder, by Ray's own CLI:
+``serve run modeswitch.cluster.app:build model=demo replicas=2 engine=transformers`` (every key is a flag of
+``python -m modeswitch.cluster`` without its dashes; ``serve build`` writes the matching config file for
+``serve deploy``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ..config import ServerConfig
+from ..server import build_parser, config_from_args
+from .routing import ROUTERS
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the replicas are laid out and routed; each replica serves ``server`` (one ModeSwitch server)."""
+
+    server: ServerConfig
+    replicas: int = 2
+    router: str = "modeswitch"
+    #: Ray resources per replica; None: one GPU each where there is a GPU, else an equal share of the CPUs
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    address: str | None = None
+    max_ongoing: int = 64
+    stats_period_s: float = 1.0
+    request_timeout_s: float = 600.0
+
+
+def cluster_parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.prog = "python -m modeswitch.cluster"
+    p.description = ("ModeSwitch replicas behind Ray Serve: one OpenAI-compatible endpoint, each request sent to "
+                     "the replica that serves it best, whose controller then picks the mode. Server flags as "
+                     "for serve.py.")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--replicas", type=int, default=2, help="ModeSwitch servers (one per GPU on GPUs)")
+    g.add_argument("--router", default="modeswitch", choices=sorted(ROUTERS),
+                   help="modeswitch (prefix-, load- and gate-aware), round_robin, or prefix_affinity "
+                        "(Ray's PrefixCacheAffinityRouter)")
+    g.add_argument("--address", default=None, help="Ray cluster to join (e.g. ray://head:10001; default: start a "
+                                                    "local one)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="logical CPUs per replica (default: an equal share of the cluster's CPUs without GPUs)")
+    g.add_argument("--replica-gpus", type=float, default=None, help="GPUs per replica (default: 1 where GPUs exist)")
+    g.add_argument("--max-ongoing", type=int, default=64,
+                   help="requests one replica may hold (Serve queues the rest at the router)")
+    g.add_argument("--stats-period", type=float, default=1.0, help="seconds between replicas' routing stats")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for a replica's first byte before a 503")
+    return p
+
+
+def config_from_cluster_args(args: argparse.Namespace) -> ClusterConfig:
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+    return ClusterConfig(server=config_from_args(args), replicas=args.replicas, router=args.router,
+                         num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, address=args.address,
+                         max_ongoing=args.max_ongoing, stats_period_s=args.stats_period,
+                         request_timeout_s=args.request_timeout)
+
+
+def replica_resources(config: ClusterConfig) -> tuple[float, float]:
+    """(CPUs, GPUs) per replica: as configured, else one GPU each where the Ray cluster has GPUs, else an
+    equal share of its CPUs (logical: Ray does not pin cores, it only keeps the sum within the machine)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=config.address)
+    total = ray.cluster_resources()
+    gpus = config.num_gpus if config.num_gpus is not None else (1.0 if total.get("GPU", 0) >= 1 else 0.0)
+    cpus = config.num_cpus
+    if cpus is None:
+        cpus = 1.0 if gpus else max(0.1, round(total.get("CPU", 1.0) / config.replicas, 2))
+    return cpus, gpus
+
+
+def application(config: ClusterConfig, backend=None):
+    """The Serve application: the ingress bound to the replica deployment. ``backend`` replaces the engine
+    family in every replica (the fake backend of :mod:`modeswitch.testing`, for tests)."""
+    from ray.serve.config import RequestRouterConfig
+
+    from .ingress import Ingress
+    from .replica import Replica
+
+    cpus, gpus = replica_resources(config)
+    router = RequestRouterConfig(request_router_class=ROUTERS[config.router],
+                                 request_routing_stats_period_s=config.stats_period_s,
+                                 request_routing_stats_timeout_s=10)
+    replica = Replica.options(num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing,
+                              ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
+                              graceful_shutdown_timeout_s=config.server.http.drain_timeout,
+                              request_router_config=router)
+    return Ingress.bind(replica.bind(config.server, backend), config.request_timeout_s)
+
+
+def build(args: dict[str, str]):
+    """Ray Serve application builder (``serve run modeswitch.cluster.app:build key=value ...``)."""
+    argv = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value in (True, "true", "") else [flag, str(value)]
+    return application(config_from_cluster_args(cluster_parser().parse_args(argv)))

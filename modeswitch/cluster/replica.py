@@ -1,0 +1,119 @@
+"""One ModeSwitch server inside a cluster replica.
+
+:class:`ReplicaServer` is the single server (built by the composition root, with its own controller) that
+answers forwarded HTTP requests by running its Flask app on them in-process, and reports what the cluster
+router needs. :class:`Replica` is the Ray Serve deployment around it.
+
+Why the Flask app and not a second (ASGI) implementation of the API: every route, validation rule, error
+shape and SSE frame stays exactly the single server's, tested once; a request costs one in-process WSGI call
+(microseconds) on top of the model's work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+
+from ray import serve
+from werkzeug.test import EnvironBuilder, run_wsgi_app
+
+from ..compose import build_app
+from ..config import ServerConfig
+from ..controller.quality import judge
+from ..device import memory_headroom
+from ..occupancy import occupancy
+from .prefixes import PrefixLog
+from .wire import Answer, Forwarded
+
+log = logging.getLogger("modeswitch.cluster")
+
+
+class ReplicaServer:
+    """The single server under a replica name; thread-safe (Serve calls it from a thread pool)."""
+
+    def __init__(self, config: ServerConfig, name: str, backend=None) -> None:
+        self.name = name
+        config = dataclasses.replace(config, http=dataclasses.replace(config.http, replica=name))
+        self.server = build_app(config, backend=backend)
+        self._prefixes = PrefixLog()
+        self._lock = threading.Lock()
+
+    def _run(self, req: Forwarded):
+        if req.prompt:
+            with self._lock:
+                self._prefixes.record(req.prompt)
+        environ = EnvironBuilder(path=req.path, method=req.method, query_string=req.query or None,
+                                 headers=req.headers, data=req.body,
+                                 environ_base={"REMOTE_ADDR": req.client}).get_environ()
+        return run_wsgi_app(self.server.app, environ, buffered=False)
+
+    def answer(self, req: Forwarded) -> Answer:
+        body, status, headers = self._run(req)
+        try:
+            data = b"".join(body)
+        finally:
+            getattr(body, "close", lambda: None)()
+        return Answer(int(status.split()[0]), list(headers.items()), data)
+
+    def stream(self, req: Forwarded) -> Iterator[Answer | bytes]:
+        """The response head (an :class:`Answer` without body) and then the body as it is produced."""
+        body, status, headers = self._run(req)
+        try:
+            yield Answer(int(status.split()[0]), list(headers.items()), b"")
+            for chunk in body:
+                if chunk:
+                    yield chunk
+        finally:  # also when the ingress stops reading (client gone): the generation is cancelled
+            getattr(body, "close", lambda: None)()
+
+    def routing_stats(self) -> dict:
+        """What the cluster router scores this replica by (published every stats period)."""
+        service = self.server.service
+        controller = service.controller
+        available = [m.name for m in service.registry.available()]
+        report = controller.quality_report
+        if report is not None:
+            verdicts = judge(report, controller.policy.quality, "general")
+            available = [m for m in available if verdicts.get(m) is None]
+        load = occupancy(service.registry)
+        rates = [s.j_per_token for s in service.registry.modes.values()
+                 if s.j_per_token is not None and s.name in available]
+        with self._lock:
+            blocks = self._prefixes.summary()
+        return {"replica": self.name, "modes": available, "waiting": load.waiting, "running": load.running,
+                "kv_cache_usage": load.kv_cache_usage, "headroom": memory_headroom()[1],
+                "j_per_token": min(rates) if rates else None, "prefix_blocks": blocks}
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@serve.deployment(name="modeswitch-replica", health_check_period_s=2, health_check_timeout_s=30)
+class Replica:
+    """A Serve replica owning one :class:`ReplicaServer`, named by Serve's replica id."""
+
+    def __init__(self, config: ServerConfig, backend=None) -> None:
+        name = serve.get_replica_context().replica_id.unique_id
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.core = ReplicaServer(config, name, backend=backend)
+        log.info("replica %s ready", name)
+
+    def answer(self, req: Forwarded) -> Answer:
+        return self.core.answer(req)
+
+    def stream(self, req: Forwarded):
+        yield from self.core.stream(req)
+
+    def record_routing_stats(self) -> dict:
+        return self.core.routing_stats()
+
+    def check_health(self) -> None:
+        if not self.core.server.service.registry.available():
+            raise RuntimeError("no mode available")
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
