@@ -251,6 +251,19 @@ class ModeRegistry:
                 matches[name] = held
         return matches
 
+    def prefix_capacity_tokens(self) -> int:
+        """The most tokens one mode's prefix cache can keep (a transformers prefix store's bound, or a vLLM
+        engine's KV pool, whose free blocks hold its prefix cache); 0 when no mode reads a prefix cache."""
+        best = 0
+        for state in self.modes.values():
+            if state.engine is None or state.engine.prefix_match([]) is None:
+                continue
+            capacity = state.engine.stats().get("prefix_capacity_tokens")
+            if capacity is None and (use := state.engine.kv_use()) is not None:
+                capacity = use.capacity
+            best = max(best, capacity or 0)
+        return best
+
     def memory(self) -> dict[str, Any]:
         """Planned and measured memory: weights per holder in this process (once), KV per mode, the budget."""
         measured = self.backend.resident_weights()

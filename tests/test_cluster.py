@@ -77,6 +77,7 @@ def test_openai_client_through_the_cluster(cluster):
 
 
 def test_modes_and_metrics_cover_every_replica(cluster):
+    assert requests.get(f"{cluster}/health", timeout=30).json() == {"status": "ok", "replicas": REPLICAS}
     body = requests.get(f"{cluster}/v1/modes", timeout=30).json()
     assert [m["name"] for r in body["replicas"] for m in r["modes"]] == ["prefix_cache"] * REPLICAS
     text = requests.get(f"{cluster}/metrics", timeout=30).text

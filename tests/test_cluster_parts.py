@@ -30,15 +30,21 @@ def test_block_hashes_match_shared_prefixes_to_the_block():
     assert block_hashes("p" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1] != block_hashes("r" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1]
 
 
-def test_prefix_log_keeps_the_most_recent_blocks():
-    log = PrefixLog(capacity=4)
-    old, new = "o" * (3 * BLOCK_CHARS), "n" * (3 * BLOCK_CHARS)
-    log.record(old)
-    log.record(new)
+def test_prefix_log_keeps_what_a_cache_of_its_size_keeps():
+    log = PrefixLog(capacity_tokens=100)
+    old, new, other = "o" * (3 * BLOCK_CHARS), "n" * (3 * BLOCK_CHARS), "p" * (3 * BLOCK_CHARS)
+    log.record(old, 60)
+    log.record(new, 30)
+    log.record(old + "!", 40)  # 130 tokens: the least recently used prompt goes, whole...
     held = set(log.summary())
-    assert len(held) == 4
+    assert matched_blocks(block_hashes(old), held) == 3  # ...but its blocks stay: a newer prompt shares them
     assert matched_blocks(block_hashes(new), held) == 3
-    assert matched_blocks(block_hashes(old), held) == 0  # its first block was evicted: nothing leads
+    log.record(other, 50)
+    held = set(log.summary())
+    assert matched_blocks(block_hashes(new), held) == 0
+    assert matched_blocks(block_hashes(other), held) == 3
+    log.record("x" * BLOCK_CHARS, 101)  # larger than the cache: never held
+    assert matched_blocks(block_hashes("x" * BLOCK_CHARS), set(log.summary())) == 0
 
 
 def test_routing_text_of_completions_and_chat():
@@ -96,12 +102,15 @@ def test_replica_answers_with_the_single_servers_api_and_names_itself(replica):
     assert bad.status == 400 and json.loads(bad.body)["error"]["param"] == "max_tokens"
 
 
-def test_replica_streams_head_then_sse_frames(replica):
+def test_replica_streams_its_head_with_the_first_token_then_the_rest(replica):
     parts = list(replica.stream(_completion("Hello there", stream=True)))
     head, frames = parts[0], b"".join(parts[1:]).decode()
     assert isinstance(head, Answer) and head.status == 200
     assert dict(head.headers)["Content-Type"].startswith("text/event-stream")
-    assert '"replica": "r1"' in frames and frames.rstrip().endswith("data: [DONE]")
+    # the head waits for the first token: the role frame and the first text frame come together
+    first, token = [json.loads(f[6:]) for f in head.body.decode().split("\n\n") if f.startswith("data: ")]
+    assert first["modeswitch"]["replica"] == "r1" and token["choices"][0]["text"]
+    assert frames.rstrip().endswith("data: [DONE]")
 
 
 def test_replica_stats_report_modes_load_and_the_prompts_it_took(replica):

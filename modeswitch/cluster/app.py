@@ -30,6 +30,8 @@ class ClusterConfig:
     max_ongoing: int = 64
     stats_period_s: float = 1.0
     request_timeout_s: float = 600.0
+    #: the ModeSwitch router's worth of a whole-prompt prefix hit, in queued requests
+    prefix_weight: float = 4.0
 
 
 def cluster_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,9 @@ def cluster_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ongoing", type=int, default=64,
                    help="requests one replica may hold (Serve queues the rest at the router)")
     g.add_argument("--stats-period", type=float, default=1.0, help="seconds between replicas' routing stats")
+    g.add_argument("--prefix-weight", type=float, default=4.0,
+                   help="modeswitch router: what a prefix hit on the whole prompt is worth, in queued requests "
+                        "(higher: more prefix affinity, less load balance)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may wait for a replica's first byte before a 503")
     return p
@@ -62,7 +67,7 @@ def config_from_cluster_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(server=config_from_args(args), replicas=args.replicas, router=args.router,
                          num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, address=args.address,
                          max_ongoing=args.max_ongoing, stats_period_s=args.stats_period,
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout, prefix_weight=args.prefix_weight)
 
 
 def replica_resources(config: ClusterConfig) -> tuple[float, float]:
@@ -89,9 +94,10 @@ def application(config: ClusterConfig, backend=None):
     from .replica import Replica
 
     cpus, gpus = replica_resources(config)
-    router = RequestRouterConfig(request_router_class=ROUTERS[config.router],
-                                 request_routing_stats_period_s=config.stats_period_s,
-                                 request_routing_stats_timeout_s=10)
+    router = RequestRouterConfig(
+        request_router_class=ROUTERS[config.router],
+        request_router_kwargs={"prefix_weight": config.prefix_weight} if config.router == "modeswitch" else {},
+        request_routing_stats_period_s=config.stats_period_s, request_routing_stats_timeout_s=10)
     replica = Replica.options(num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing,
                               ray_actor_options={"num_cpus": cpus, "num_gpus": gpus},
                               graceful_shutdown_timeout_s=config.server.http.drain_timeout,

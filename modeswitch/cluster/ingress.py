@@ -3,8 +3,8 @@ router, and merges the per-replica views (``/v1/modes``, ``/metrics``).
 
 It reads nothing of a request but the routing text (:func:`~modeswitch.cluster.wire.routing_text`); each
 replica answers with the single server's own API. Faults: a generation whose replica dies before answering
-(or, streamed, before its first byte) is sent once more to another replica; after that, or when no replica
-is up, the client gets a 503 with ``Retry-After``; a stream cut after its first byte ends with an error event.
+(or, streamed, before its first token) is sent once more to another replica; after that, or when no replica
+is up, the client gets a 503 with ``Retry-After``; a stream cut after its first token ends with an error event.
 """
 
 from __future__ import annotations
@@ -110,6 +110,14 @@ class Ingress:
         calls = [asyncio.wait_for(ask(n), FAN_OUT_TIMEOUT_S) for n in names]
         return dict(zip(names, await asyncio.gather(*calls, return_exceptions=True)))
 
+    @api.get("/health")
+    async def health(self):
+        """Up while at least one replica is (a load balancer in front of several ingresses reads this)."""
+        names = await self._replica_names()
+        if not names:
+            return error(503, "no replica is up", "no_replica", retry=True)
+        return {"status": "ok", "replicas": len(names)}
+
     @api.get("/v1/modes")
     async def modes(self, request: Request):
         """Every replica with its own ``/v1/modes`` (modes, gates, memory), or why it did not answer."""
@@ -180,10 +188,12 @@ class Ingress:
                 chunks.cancel()
                 if attempt == retries:
                     raise
-                log.warning("%s: replica lost before streaming (%s); retrying", req.path, exc.__class__.__name__)
+                log.warning("%s: replica lost before the first token (%s); retrying", req.path, exc.__class__.__name__)
 
         async def body():
             try:
+                if head.body:
+                    yield head.body
                 async for chunk in chunks:
                     yield chunk
             except REPLICA_LOST as exc:

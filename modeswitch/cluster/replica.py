@@ -25,7 +25,7 @@ from ..controller.quality import judge
 from ..device import memory_headroom
 from ..occupancy import occupancy
 from .prefixes import PrefixLog
-from .wire import Answer, Forwarded
+from .wire import TOKEN_IDS, Answer, Forwarded
 
 log = logging.getLogger("modeswitch.cluster")
 
@@ -37,13 +37,20 @@ class ReplicaServer:
         self.name = name
         config = dataclasses.replace(config, http=dataclasses.replace(config.http, replica=name))
         self.server = build_app(config, backend=backend)
-        self._prefixes = PrefixLog()
+        self._prefixes = PrefixLog(self.server.service.registry.prefix_capacity_tokens())
         self._lock = threading.Lock()
 
+    def _prompt_tokens(self, text: str) -> int:
+        """Tokens of a routing text: counted for token ids (``"17|4|"``), else the tokenizer's count."""
+        if TOKEN_IDS.fullmatch(text):
+            return text.count("|")
+        return len(self.server.service.tokenizer.encode(text, add_special_tokens=False))
+
     def _run(self, req: Forwarded):
-        if req.prompt:
+        if req.prompt and self._prefixes.capacity_tokens:
+            tokens = self._prompt_tokens(req.prompt)
             with self._lock:
-                self._prefixes.record(req.prompt)
+                self._prefixes.record(req.prompt, tokens)
         environ = EnvironBuilder(path=req.path, method=req.method, query_string=req.query or None,
                                  headers=req.headers, data=req.body,
                                  environ_base={"REMOTE_ADDR": req.client}).get_environ()
@@ -58,13 +65,21 @@ class ReplicaServer:
         return Answer(int(status.split()[0]), list(headers.items()), data)
 
     def stream(self, req: Forwarded) -> Iterator[Answer | bytes]:
-        """The response head (an :class:`Answer` without body) and then the body as it is produced."""
+        """The response head (an :class:`Answer` whose body is the first frame) and then the body as it is
+        produced.
+
+        The first SSE frame (the role, the mode and its reason) is written before the model has done any
+        work; it is held back until the next frame exists, so the head reaches the ingress only once the
+        first token does. Until then nothing has gone to the client and the ingress can still send the
+        request to another replica if this one dies: that covers queueing and prefill, most of a request's
+        exposure."""
         body, status, headers = self._run(req)
         try:
-            yield Answer(int(status.split()[0]), list(headers.items()), b"")
-            for chunk in body:
-                if chunk:
-                    yield chunk
+            chunks = (c for c in body if c)
+            first = next(chunks, b"")
+            second = next(chunks, b"") if (headers.get("Content-Type") or "").startswith("text/event-stream") else b""
+            yield Answer(int(status.split()[0]), list(headers.items()), first + second)
+            yield from chunks
         finally:  # also when the ingress stops reading (client gone): the generation is cancelled
             getattr(body, "close", lambda: None)()
 

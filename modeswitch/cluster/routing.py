@@ -11,6 +11,7 @@ pinned replica (:class:`Pinning`), which is how the ingress asks every replica f
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 
@@ -63,6 +64,13 @@ class RoundRobinRouter(Pinning, RequestRouter):
         return [[r] for r in ordered[first:] + ordered[:first]]
 
 
+def home_rank(first_block: int, replica: RunningReplica) -> int:
+    """Rendezvous (highest random weight) hashing of a prompt's first block over replicas: every router
+    computes the same home for a prefix, and removing a replica moves only the prefixes homed on it."""
+    digest = hashlib.blake2b(f"{first_block}:{replica_name(replica)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class ModeSwitchRouter(Pinning, RequestRouter):
     """Scores every replica for this request and ranks them best first.
 
@@ -76,14 +84,17 @@ class ModeSwitchRouter(Pinning, RequestRouter):
       running count (other ingresses' traffic).
     - replicas whose stats say no mode is available, or that memory is below ``min_headroom``, are ranked
       last (never dropped: a stale report must not strand a request).
-    - ties (e.g. no prefix anywhere and equal queues) go to the lower running J/token, then at random.
+    - ties (e.g. a prefix no replica holds yet, equal queues) go to the prompt's home replica: the one its first
+      block hashes to (rendezvous hashing), so the next requests of a new group find it there and groups
+      spread over replicas evenly; then to the lower running J/token, then at random.
 
-    With the default weight a replica holding the whole prefix keeps the request until it has two more
-    requests queued than the least loaded one: on a CPU, prefilling a long prompt costs about as much as
-    waiting behind two short requests.
+    With the default weight a replica holding three quarters of the prompt keeps the request until it has
+    three more requests in flight than the least loaded one. Measured on the demo (benchmarks/cluster.py, 24
+    groups of prompts sharing 384 of 512 tokens): weight 4 against 2 raised the hit rate from 0.35 to 0.43
+    and lowered mean TTFT by 2 %; both kept the replicas' loads equal.
     """
 
-    def initialize_state(self, prefix_weight: float = 2.0, min_headroom: float = 0.02, **kwargs) -> None:
+    def initialize_state(self, prefix_weight: float = 4.0, min_headroom: float = 0.02, **kwargs) -> None:
         self._prefix_weight = prefix_weight
         self._min_headroom = min_headroom
         self._hints: dict[ReplicaID, dict[int, float]] = {}
@@ -131,8 +142,9 @@ class ModeSwitchRouter(Pinning, RequestRouter):
         for r in candidates:
             j = (r.routing_stats or {}).get("j_per_token")
             keyed.append((not self._healthy(r), -self.score(r, hashes, len(text), now),
-                          j if j is not None else float("inf"), random.random(), r))
-        keyed.sort(key=lambda k: k[:4])
+                          -home_rank(hashes[0], r) if hashes else 0, j if j is not None else float("inf"),
+                          random.random(), r))
+        keyed.sort(key=lambda k: k[:5])
         if keyed and pending is not None:
             self._tentative[pending.metadata.internal_request_id] = keyed[0][-1].replica_id
         return [[k[-1]] for k in keyed]

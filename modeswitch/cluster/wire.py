@@ -10,10 +10,13 @@ request.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 #: Routes whose body is a generation request: routed by prompt, retried once if the replica dies.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: the routing text of a token-id prompt (:func:`routing_text`)
+TOKEN_IDS = re.compile(r"(?:\d+\|)+")
 
 
 @dataclass

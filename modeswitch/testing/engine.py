@@ -51,7 +51,8 @@ class FakeEngine(Engine):
         self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
         prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
         self.submitted = 0
-        self.prefix = {"prefix_queries": 0, "prefix_hits": 0, "prefix_hit_tokens": 0}  # as engines report them
+        # as engines report them; the fake's tree is unbounded, so its capacity is "more than any test uses"
+        self.prefix = {"prefix_queries": 0, "prefix_hits": 0, "prefix_hit_tokens": 0, "prefix_capacity_tokens": 2**30}
         self._prefixes = RadixTree() if prefix_cache else None
         self._queue: queue.Queue[tuple[GenRequest, bool] | None] = queue.Queue()
         self._stop = threading.Event()
