@@ -20,6 +20,7 @@ serve = pytest.importorskip("ray.serve")
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.cluster.prefixes import BLOCK_CHARS  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.resources import POLICIES_DIR  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -84,6 +85,23 @@ def test_modes_and_metrics_cover_every_replica(cluster):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     running = families["vllm:num_requests_running"].samples
     assert sorted(s.labels["replica"] for s in running) == sorted(_replicas(cluster))
+
+
+def test_a_policy_change_reaches_every_replica(cluster):
+    def policies() -> list[str]:
+        got = requests.get(f"{cluster}/admin/policy", timeout=30)
+        assert got.status_code == 200, got.text
+        return [r["name"] for r in got.json()["replicas"]]
+
+    assert policies() == ["paper"] * REPLICAS
+    try:
+        changed = requests.post(f"{cluster}/admin/policy", json={"path": str(POLICIES_DIR / "fp16.yaml")}, timeout=30)
+        assert changed.status_code == 200 and policies() == ["fp16"] * REPLICAS
+        refused = requests.post(f"{cluster}/admin/policy", json={"path": "/etc/passwd"}, timeout=30)
+        assert refused.status_code == 400 and policies() == ["fp16"] * REPLICAS
+    finally:
+        requests.post(f"{cluster}/admin/policy", json={"path": str(POLICIES_DIR / "paper.yaml")}, timeout=30)
+    assert policies() == ["paper"] * REPLICAS
 
 
 def test_a_repeated_long_prefix_goes_to_the_replica_that_holds_it(cluster):

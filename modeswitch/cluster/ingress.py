@@ -96,7 +96,8 @@ class Ingress:
                 await asyncio.sleep(0.1)
         return sorted(directory.DIRECTORY.replicas())
 
-    async def _each(self, request: Request, path: str) -> dict[str, Answer | Exception]:
+    async def _each(self, request: Request, path: str, body: bytes = b"") -> dict[str, Answer | Exception]:
+        """``request`` (its method, headers and ``body``) sent to every replica at ``path``."""
         names = await self._replica_names()
         headers = list(request.headers.items())
 
@@ -105,7 +106,8 @@ class Ingress:
             # per key: concurrent calls from one request would leave all but one unassigned. Each call runs in
             # a task of its own (gather), so it can be a request of its own.
             _set_request_context(_internal_request_id=uuid.uuid4().hex)
-            return await self._call(Forwarded("GET", path, headers=headers, replica=name), "answer")
+            return await self._call(Forwarded(request.method, path, request.url.query, headers, body,
+                                              replica=name), "answer")
 
         calls = [asyncio.wait_for(ask(n), FAN_OUT_TIMEOUT_S) for n in names]
         return dict(zip(names, await asyncio.gather(*calls, return_exceptions=True)))
@@ -143,6 +145,24 @@ class Ingress:
             return response_of(denied[0])
         texts = {n: a.body.decode() for n, a in got.items() if isinstance(a, Answer) and a.status == 200}
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @api.api_route("/admin/{path:path}", methods=["GET", "POST"])
+    async def admin(self, path: str, request: Request):
+        """Policy and gate changes go to every replica (each has its own controller), so the cluster never
+        serves under two policies; the answer lists each replica's, and is the first failure's status if any
+        replica refused."""
+        got = await self._each(request, "/admin/" + path, await request.body())
+        out, status = [], 200
+        for name, a in got.items():
+            if isinstance(a, Answer):
+                out.append({"replica": name, "status": a.status, **json.loads(a.body or b"{}")})
+                status = a.status if status == 200 else status
+            else:
+                out.append({"replica": name, "status": 503, "error": f"{a.__class__.__name__}: {a}"[:300]})
+                status = 503 if status == 200 else status
+        if not out:
+            return error(503, "no replica is up", "no_replica", retry=True)
+        return JSONResponse({"replicas": out}, status_code=status)
 
     # ------------------------------------------------------------ everything else: one replica
     @api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
