@@ -128,8 +128,8 @@ def test_a_replica_killed_mid_request_loses_nothing(cluster):
     victim = _replicas(cluster)[0]
     actor = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"])
     with ThreadPoolExecutor(4) as pool:
-        in_flight = [pool.submit(_complete, cluster, f"Story number {i}: once upon a time", 96) for i in range(4)]
-        time.sleep(1.5)  # all four are being served, two on each replica
+        in_flight = [pool.submit(_complete, cluster, f"Story number {i}: once upon a time", 48) for i in range(4)]
+        time.sleep(1.0)  # all four are in flight, two on each replica (about 2 s each, one at a time)
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         answers = [f.result() for f in in_flight]
     answers += [_complete(cluster, f"Request {i}") for i in range(4)]
