@@ -17,40 +17,35 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import sys
 import threading
 import time
 from collections import Counter
 from datetime import date
 from pathlib import Path
-from statistics import fmean
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modeswitch.bench.client import pct, send  # noqa: E402
+from modeswitch.bench.report import summarize  # noqa: E402
 from modeswitch.bench.workloads import TextSource, prefix_reuse  # noqa: E402
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.launcher import free_port  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity", "modeswitch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summary(records: list[dict], seconds: float) -> dict:
+    """The harness's summary (mean TTFT and latency, tokens) plus what placement changes: the prefix hit rate,
+    p50 TTFT, output tok/s and how the requests spread over replicas."""
     ok = [r for r in records if r.get("ok")]
     prompt = sum(r["prompt_tokens"] for r in ok)
     ttft = [r["ttft_s"] for r in ok]
-    return {"requests": len(records), "ok": len(ok),
+    return {**summarize(records),
             "hit_rate": sum(r["cached_tokens"] or 0 for r in ok) / prompt if prompt else 0.0,
-            "mean_ttft_s": fmean(ttft) if ttft else None, "p50_ttft_s": pct(ttft, 0.5) if ttft else None,
-            "mean_latency_s": fmean(r["latency_s"] for r in ok) if ok else None,
+            "p50_ttft_s": pct(ttft, 0.5) if ttft else None,
             "out_tok_s": sum(r["tokens"] for r in ok) / seconds,
             "per_replica": dict(Counter(r.get("replica") for r in ok)),
             "statuses": dict(Counter(str(r.get("status", 200)) for r in records))}
@@ -107,7 +102,7 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(args.model).fp16, "tokenizer"))
     slots = prefix_reuse(TextSource(tokenizer), args.requests, 0, args.prompt_tokens, args.max_tokens,
                          args.prefix_fraction, args.prefixes)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -6,7 +6,6 @@ about half a minute, once for the module."""
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +19,7 @@ serve = pytest.importorskip("ray.serve")
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.cluster.prefixes import BLOCK_CHARS  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.launcher import free_port  # noqa: E402
 from modeswitch.resources import POLICIES_DIR  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -27,15 +27,9 @@ pytestmark = pytest.mark.cluster
 REPLICAS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     server = ServerConfig(model="demo", modes=("prefix_cache",), gate_report="none",

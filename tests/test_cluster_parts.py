@@ -24,7 +24,7 @@ def test_block_hashes_match_shared_prefixes_to_the_block():
     a, b = block_hashes(shared + "x" * BLOCK_CHARS), block_hashes(shared + "y" * BLOCK_CHARS)
     assert len(a) == len(b) == 4
     assert a[:3] == b[:3] and a[3] != b[3]
-    assert matched_blocks(b, set(a)) == 3
+    assert matched_blocks(b, set(a).__contains__) == 3
     assert block_hashes("z" * (BLOCK_CHARS - 1)) == []  # no whole block, nothing an engine could reuse
     # chained: the same block text after a different prefix is a different block
     assert block_hashes("p" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1] != block_hashes("r" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1]
@@ -37,14 +37,14 @@ def test_prefix_log_keeps_what_a_cache_of_its_size_keeps():
     log.record(new, 30)
     log.record(old + "!", 40)  # 130 tokens: the least recently used prompt goes, whole...
     held = set(log.summary())
-    assert matched_blocks(block_hashes(old), held) == 3  # ...but its blocks stay: a newer prompt shares them
-    assert matched_blocks(block_hashes(new), held) == 3
+    assert matched_blocks(block_hashes(old), held.__contains__) == 3  # ...but its blocks stay: a newer prompt shares them
+    assert matched_blocks(block_hashes(new), held.__contains__) == 3
     log.record(other, 50)
     held = set(log.summary())
-    assert matched_blocks(block_hashes(new), held) == 0
-    assert matched_blocks(block_hashes(other), held) == 3
+    assert matched_blocks(block_hashes(new), held.__contains__) == 0
+    assert matched_blocks(block_hashes(other), held.__contains__) == 3
     log.record("x" * BLOCK_CHARS, 101)  # larger than the cache: never held
-    assert matched_blocks(block_hashes("x" * BLOCK_CHARS), set(log.summary())) == 0
+    assert matched_blocks(block_hashes("x" * BLOCK_CHARS), set(log.summary()).__contains__) == 0
 
 
 def test_routing_text_of_completions_and_chat():
@@ -119,4 +119,4 @@ def test_replica_stats_report_modes_load_and_the_prompts_it_took(replica):
     stats = replica.routing_stats()
     assert stats["replica"] == "r1" and sorted(stats["modes"]) == ["fp16", "prefix_cache"]
     assert stats["waiting"] == 0 and stats["running"] == 0
-    assert matched_blocks(block_hashes(prompt), set(stats["prefix_blocks"])) == 2
+    assert matched_blocks(block_hashes(prompt), set(stats["prefix_blocks"]).__contains__) == 2

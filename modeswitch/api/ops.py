@@ -7,7 +7,6 @@ from functools import lru_cache
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..controller.quality import judge
 from .context import ctx
 from .errors import ApiError
 from .generation import body
@@ -57,8 +56,8 @@ def modes():
     controller = service.controller
     policy, report = controller.policy, controller.quality_report
     described = service.registry.describe()
-    if report is not None:
-        verdicts = judge(report, policy.quality, "general")
+    verdicts = controller.quality_verdicts()
+    if verdicts is not None:
         for d in described:
             d["quality_gate"] = ("not in report" if d["name"] not in verdicts
                                  else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])

@@ -21,6 +21,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.context import _set_request_context
 
+from ..api.errors import ApiError
 from . import directory
 from .wire import GENERATION_PATHS, Answer, Forwarded, routing_text
 
@@ -38,10 +39,9 @@ api = FastAPI(title="ModeSwitch cluster", docs_url=None, redoc_url=None, openapi
 
 
 def error(status: int, message: str, code: str, retry: bool = False) -> JSONResponse:
-    """An OpenAI-style error body, as the single server writes them."""
-    body = {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                      "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)} if retry else None)
+    """The single server's OpenAI-style error body (:class:`~modeswitch.api.errors.ApiError`), from Starlette."""
+    return JSONResponse(ApiError(status, message, code=code).body(), status_code=status,
+                        headers={"Retry-After": str(RETRY_AFTER_S)} if retry else None)
 
 
 def response_of(answer: Answer) -> Response:
@@ -218,8 +218,7 @@ class Ingress:
                     yield chunk
             except REPLICA_LOST as exc:
                 log.warning("%s: replica lost mid-stream: %s", req.path, exc.__class__.__name__)
-                frame = {"error": {"message": "the replica serving this stream failed", "type": "server_error",
-                                   "param": None, "code": "replica_lost"}}
+                frame = ApiError(500, "the replica serving this stream failed", code="replica_lost").body()
                 yield f"data: {json.dumps(frame)}\n\ndata: [DONE]\n\n".encode()
             finally:  # the client left, or the stream ended: stop the replica's generation too
                 chunks.cancel()

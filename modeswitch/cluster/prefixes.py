@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable
+from itertools import takewhile
 
 #: characters per block: about 16 tokens of English, the granularity of vLLM's and our KV block reuse
 BLOCK_CHARS = 64
@@ -32,14 +33,9 @@ def block_hashes(text: str, block: int = BLOCK_CHARS) -> list[int]:
     return hashes
 
 
-def matched_blocks(hashes: list[int], held: Collection[int]) -> int:
-    """How many leading blocks of a prompt (its ``hashes``) are in ``held``."""
-    n = 0
-    for h in hashes:
-        if h not in held:
-            break
-        n += 1
-    return n
+def matched_blocks(hashes: list[int], holds: Callable[[int], bool]) -> int:
+    """How many leading blocks of a prompt (its ``hashes``) a replica ``holds``."""
+    return sum(1 for _ in takewhile(holds, hashes))
 
 
 class PrefixLog:

@@ -21,7 +21,6 @@ from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from ..compose import build_app
 from ..config import ServerConfig
-from ..controller.quality import judge
 from ..device import memory_headroom
 from ..occupancy import occupancy
 from .prefixes import PrefixLog
@@ -86,11 +85,9 @@ class ReplicaServer:
     def routing_stats(self) -> dict:
         """What the cluster router scores this replica by (published every stats period)."""
         service = self.server.service
-        controller = service.controller
         available = [m.name for m in service.registry.available()]
-        report = controller.quality_report
-        if report is not None:
-            verdicts = judge(report, controller.policy.quality, "general")
+        verdicts = service.controller.quality_verdicts()
+        if verdicts is not None:
             available = [m for m in available if verdicts.get(m) is None]
         load = occupancy(service.registry)
         rates = [s.j_per_token for s in service.registry.modes.values()

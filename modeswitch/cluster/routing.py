@@ -129,9 +129,13 @@ class ModeSwitchRouter(Pinning, RequestRouter):
     def score(self, replica: RunningReplica, hashes: list[int], length: int, now: float) -> float:
         held = self._held_blocks(replica)
         hints = self._hints.get(replica.replica_id, {})
-        fresh = {h for h, t in hints.items() if now - t < HINT_TTL_S}
-        matched = matched_blocks(hashes, held | fresh if fresh else held) * BLOCK_CHARS
-        return self._prefix_weight * (matched / length if length else 0.0) - self._queue(replica)
+
+        def holds(h: int) -> bool:  # only this prompt's blocks are looked up: the hints can number thousands
+            sent = hints.get(h)
+            return h in held or (sent is not None and now - sent < HINT_TTL_S)
+
+        blocks = matched_blocks(hashes, holds)
+        return self._prefix_weight * (blocks * BLOCK_CHARS / length if length else 0.0) - self._queue(replica)
 
     async def place(self, candidates: list[RunningReplica], pending: PendingRequest | None):
         req = forwarded(pending)

@@ -21,6 +21,7 @@ from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
 from .policy import Policy
+from .quality import judge
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
@@ -127,6 +128,13 @@ class Controller:
         if features.memory_headroom >= policy.memory.min_headroom:
             return None
         return next((name for name in self.modes if name not in filtered), None)
+
+    def quality_verdicts(self, task: str = "general") -> dict[str, str | None] | None:
+        """Per mode in the gate report, why it fails the current policy's quality tolerances for ``task`` (None:
+        it passes); None when no report is loaded. What ``/v1/modes`` shows and a cluster replica publishes."""
+        if self.quality_report is None:
+            return None
+        return judge(self.quality_report, self.policy.quality, task)
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
         """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""

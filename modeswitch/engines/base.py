@@ -123,7 +123,7 @@ class Engine(ABC):
     preallocated_kv = False
     #: requests generated at once (1: transformers' ``generate()``, one request at a time); the rest of
     #: ``in_flight`` waits in the engine's queue. Engines that batch by their own scheduler override
-    #: :meth:`waiting_running` instead.
+    #: :meth:`running_now` instead.
     batch_slots = 1
 
     def __init__(self, max_queue: int) -> None:
@@ -164,8 +164,12 @@ class Engine(ABC):
         (prefill included), as vLLM's ``num_requests_waiting`` / ``num_requests_running`` count them. Read on
         every metrics scrape, from another thread: it must stay cheap (no engine calls, no waiting on a step)."""
         in_flight = self.in_flight
-        running = min(in_flight, self.batch_slots)
+        running = min(in_flight, self.running_now())
         return in_flight - running, running
+
+    def running_now(self) -> int:
+        """How many of this mode's requests are in a batch being generated (at most ``in_flight`` counts)."""
+        return self.batch_slots
 
     def kv_use(self) -> KvUse | None:
         """How full the KV pool this mode's requests are served from is; None for an engine without a bounded

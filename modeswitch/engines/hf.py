@@ -343,12 +343,10 @@ class ContinuousBatchingEngine(Engine):
         with self._active_lock:
             return list(self._active.values())[:active]
 
-    def waiting_running(self) -> tuple[int, int]:
-        """Running: what transformers' scheduler holds active (prefilling or decoding); the rest of this mode's
-        requests wait in the manager's queues."""
-        in_flight = self.in_flight
-        running = min(len(self._running()), in_flight)
-        return in_flight - running, running
+    def running_now(self) -> int:
+        """What transformers' scheduler holds active (prefilling or decoding); the rest of this mode's requests
+        wait in the manager's queues."""
+        return len(self._running())
 
     def kv_use(self) -> KvUse:
         """The running requests' prompt and generated tokens in whole pages. Counted from the requests rather

@@ -310,12 +310,10 @@ class VllmEngine(Engine):
         """What the runner's prefix cache would give this prompt; None for a mode that skips reading it."""
         return self.runner.prefix.match(prompt_ids) if self.prefix_cache else None
 
-    def waiting_running(self) -> tuple[int, int]:
+    def running_now(self) -> int:
         """This mode's share of the runner's running requests (:meth:`VllmRunner.running`); its other requests
         wait, in vLLM's queue or this runner's inbox."""
-        in_flight = self.in_flight
-        running = min(sum(live.front is self for live in self.runner.running()), in_flight)
-        return in_flight - running, running
+        return sum(live.front is self for live in self.runner.running())
 
     def kv_use(self) -> KvUse | None:
         """The runner's pool, shared by every mode on it (one owner, so it is counted once)."""
