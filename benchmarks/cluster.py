@@ -33,6 +33,7 @@ from modeswitch.bench.workloads import TextSource, prefix_reuse  # noqa: E402
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
 from modeswitch.launcher import free_port  # noqa: E402
+from modeswitch.resources import POLICIES_DIR  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity", "modeswitch")
 
@@ -54,7 +55,9 @@ def summary(records: list[dict], seconds: float) -> dict:
 def deploy(serve, args, router: str) -> float:
     """Deploy the cluster with ``router`` (``modeswitch@W``: the ModeSwitch router with prefix weight W)."""
     router, _, weight = router.partition("@")
+    # the paper table: its default is prefix_cache, which every --modes here is expected to include
     server = ServerConfig(model=args.model, modes=tuple(args.modes.split(",")), gate_report="none",
+                          policy=POLICIES_DIR / "paper.yaml",
                           load=LoadConfig(engine="transformers"), http=HttpConfig(drain_timeout=5))
     t0 = time.perf_counter()
     serve.run(application(ClusterConfig(server=server, replicas=args.replicas, router=router,

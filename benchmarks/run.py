@@ -7,8 +7,9 @@ counts times --scale) to:
   1. every static mode, pinned (the quality gate off, so every mode is measured), and fp16 once more
      ("fp16 again"): the per-request best of two runs of one mode is what an oracle gains from run-to-run
      noise alone (a lower bound: the oracle takes the best of several modes), a gain no router can get;
-  2. the rule policy (policies/paper.yaml) and the learned policy (policies/learned.yaml, online from
-     scratch, --learned-passes times over the trace), with the quality gate report loaded;
+  2. the rule policies (policies/batch-first.yaml, the default, and policies/paper.yaml, the reference design's
+     table) and the learned policy (policies/learned.yaml, online from scratch, --learned-passes times over the
+     trace), with the quality gate report loaded;
   3. the learned policy again, warm-started from the static runs' records (one pass);
   4. the oracle: per request, the fastest static mode that passes the quality gate.
 
@@ -40,9 +41,9 @@ from modeswitch.bench import report
 from modeswitch.bench.client import send
 from modeswitch.bench.workloads import REFERENCE, TextSource, arrivals, prefix_reuse, trace
 from modeswitch.launcher import ROOT, start_server
+from modeswitch.modes import load_modes
+from modeswitch.resources import shipped_report
 
-REFERENCE_MODES = ["fp16", "gptq", "int8", "prefix_cache", "continuous_batching", "gptq+prefix_cache",
-                   "int8+continuous_batching", "speculative"]
 
 
 def parse_args():
@@ -52,8 +53,10 @@ def parse_args():
     p.add_argument("--requests", type=int, default=100, help="requests in the mixed trace")
     p.add_argument("--learned-passes", type=int, default=2, help="times the cold learned policy runs the trace")
     p.add_argument("--concurrency", type=int, default=1, help="closed-loop clients for the main comparison")
-    p.add_argument("--modes", default=",".join(REFERENCE_MODES), help="static modes to pin (comma-separated)")
-    p.add_argument("--gate-report", default=None, help="quality gate report (default evals/reports/<model>.json)")
+    p.add_argument("--modes", default=",".join(m.name for m in load_modes()),
+                   help="static modes to pin (comma-separated; default: the reference modes)")
+    p.add_argument("--gate-report", default=None,
+                   help="quality gate report (default: the shipped evals/reports/<model>-<engine>.json)")
     p.add_argument("--sweep", action="store_true", help="also run the prefix-reuse sweeps")
     p.add_argument("--no-noise-run", action="store_true", help="skip the second fp16 run (the noise floor)")
     p.add_argument("--sweep-requests", type=int, default=16)
@@ -105,7 +108,8 @@ def main() -> int:
     startup_s = time.perf_counter() - t0
     try:
         bench = Bench(url, TextSource(_tokenizer(args.model)), args)
-        cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
+        listing = requests.get(url + "/v1/modes", timeout=30).json()
+        cards = {m["name"]: m for m in listing["modes"]}
         static_modes = [m for m in static_modes if cards.get(m, {}).get("status") == "available"]
         runs: dict[str, list] = {}
         for mode in static_modes:
@@ -115,7 +119,7 @@ def main() -> int:
             runs["fp16 again"] = bench.send("fp16 again", bench.next_trace(), "fp16")
             tqdm.write(_line("fp16 again", runs["fp16 again"]))
 
-        gate_path = Path(args.gate_report) if args.gate_report else ROOT / "evals" / "reports" / f"{Path(args.model).name}.json"
+        gate_path = Path(args.gate_report) if args.gate_report else shipped_report(args.model, listing["engine"])
         verdicts = {m: "pass" for m in cards}
         if gate_path.is_file():
             gate_copy = shutil.copy(gate_path, tmp / gate_path.name)
@@ -124,9 +128,10 @@ def main() -> int:
             verdicts = {m: card.get("quality_gate", "pass") for m, card in cards.items()}
         allowed = [m for m in static_modes if verdicts[m] in ("pass", "not in report")]
 
-        bench.policy(ROOT / "policies" / "paper.yaml")
-        runs["paper"] = bench.send("paper", bench.next_trace())
-        tqdm.write(_line("paper", runs["paper"]))
+        for policy in ("batch-first", "paper"):
+            bench.policy(ROOT / "policies" / f"{policy}.yaml")
+            runs[policy] = bench.send(policy, bench.next_trace())
+            tqdm.write(_line(policy, runs[policy]))
 
         bench.policy(learned_policy(tmp, "learned", f"state: {tmp / 'learned_state.json'}\n"))
         runs["learned"] = []
@@ -170,9 +175,9 @@ def main() -> int:
         "noise_oracle_mean_s": report.summarize(noise).get("mean_latency_s"),
         "noise_share_of_oracle_gain": report.oracle_gain_share({**runs, "noise": noise}, "noise"),
         "oracle_gain_share": {k: report.oracle_gain_share({**runs, **last_pass}, k)
-                              for k in ("learned", "learned (last pass)", "learned-warm", "paper")},
+                              for k in ("learned", "learned (last pass)", "learned-warm", "batch-first", "paper")},
         "decision_us_p50": {k: report.summarize(runs[k]).get("decision_us_p50")
-                            for k in ("paper", "learned", "learned-warm")},
+                            for k in ("batch-first", "paper", "learned", "learned-warm")},
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = f"{stamp}_controller_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"

@@ -10,8 +10,9 @@ client's full results lands in benchmarks/results/.
                                            [--vllm "label=ENV=VALUE ..." ...]
 
 Defaults compare vLLM's server (as it starts by default; the first ``--vllm`` row is the reference of every
-ratio, further rows start it with other environment settings) with ``make serve``'s default, with all 8
-modes on vLLM engines, and with one vLLM engine serving fp16 alone.
+ratio, further rows start it with other environment settings) with ``make serve``'s default (every reference
+mode on vLLM engines, the batch-first policy, the shipped quality gate report enforced), with the same modes
+under the reference design's paper policy, and with one vLLM engine serving fp16 alone.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ WORKLOADS = {
 }
 DEFAULT_MODESWITCH = [
     "make serve default=",
-    "8 modes on vLLM=--engine vllm",
+    "all modes on vLLM, paper policy=--engine vllm --policy policies/paper.yaml",
     "vLLM, fp16 alone=--engine vllm --modes fp16 --policy policies/fp16.yaml",
 ]
 

@@ -15,12 +15,13 @@ DATA = Path(str(files("modeswitch").joinpath("data")))
 MODES_DIR = DATA / "modes"
 EXTRA_MODES_DIR = MODES_DIR / "extra"
 POLICIES_DIR = DATA / "policies"
-DEFAULT_POLICY = POLICIES_DIR / "paper.yaml"
+DEFAULT_POLICY = POLICIES_DIR / "batch-first.yaml"
 EVAL_TASKS_DIR = DATA / "evals" / "tasks"
 REPORTS_DIR = DATA / "evals" / "reports"
 CORPUS = DATA / "jargon_prose.txt.gz"
 
 
-def shipped_report(model: str) -> Path:
-    """The quality gate report shipped for ``model`` (it may not exist: a gate run writes it)."""
-    return REPORTS_DIR / f"{Path(model).name}.json"
+def shipped_report(model: str, engine: str, reports_dir: Path = REPORTS_DIR) -> Path:
+    """The quality gate report for ``model`` scored on the ``engine`` family (it may not exist: a gate run
+    writes it). One per engine: a quantized variant's accuracy is its engine's kernels'."""
+    return reports_dir / f"{Path(model).name}-{engine}.json"

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--gate-report", default=None,
-                   help="quality gate report the router enforces (default: the shipped evals/reports/<model>.json "
+                   help="quality gate report the router enforces (default: the shipped evals/reports/<model>-<engine>.json "
                         "if it exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
     p.add_argument("--power-watts", type=float, default=None,
                    help="power assumed by the energy estimate where NVML has no energy counter (CPUs, laptops); "

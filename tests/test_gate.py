@@ -46,6 +46,29 @@ def test_adapter_scores_like_lm_evals_hf_model_and_above_chance():
     assert acc >= 0.6  # chance is 0.25: the task measures something on the demo model
 
 
+def test_a_mode_that_cannot_score_is_scored_on_its_weights_through_the_engine():
+    """transformers' continuous batching cannot return prompt logprobs: its weights are scored by a plain mode
+    on the same weights, through the engine's scoring path, and agree with a forward pass of those weights."""
+    from modeswitch.evals.adapter import ModeSwitchLM
+
+    lm = ModeSwitchLM(model="demo", mode="continuous_batching", engine="transformers", max_length=256)
+    try:
+        assert (lm.engine, lm.scored_on) == ("transformers", "score-fp16")
+        context, continuation = lm.tok_encode("The hacker ethic holds that"), lm.tok_encode(" information")
+        scorer = lm.registry.modes["score-fp16"].engine
+        served_before = scorer.stats()["requests"]
+        (total, greedy), = lm._loglikelihood_tokens([(None, context, continuation)])
+        weights = lm.registry.backend.weights.models["fp16"]
+        with torch.no_grad():
+            logits = weights(torch.tensor([context + continuation[:-1]])).logits[0, -len(continuation):]
+        expected = torch.log_softmax(logits.float(), -1)[range(len(continuation)), continuation].sum().item()
+        assert total == pytest.approx(expected, abs=1e-3) and total < 0
+        assert greedy == bool((logits.argmax(-1) == torch.tensor(continuation)).all())
+        assert scorer.stats()["requests"] == served_before + 1
+    finally:
+        lm.registry.close()
+
+
 def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     modes = tmp_path / "modes"
     modes.mkdir()
@@ -55,6 +78,7 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     report = run_gate("demo", [modes], tasks=("jargon_cloze", "jargon_copy"), limit=12, gptq=str(degraded_dir),
                       progress=lambda s: None)
     path = write(report, tmp_path / "reports")
+    assert report["engine"] == "transformers" and path.name == "demo-transformers.json"
     assert set(report["modes"]) == {"fp16", "prefix_cache", "degraded"}
     assert all(e["pass"] for m in ("fp16", "prefix_cache") for e in report["modes"][m].values())
     assert not all(e["pass"] for e in report["modes"]["degraded"].values())

@@ -36,7 +36,7 @@ def test_a_non_editable_install_serves_the_demo_from_another_directory(tmp_path)
                 pass
             time.sleep(0.2)
         modes = requests.get(url + "/v1/modes", timeout=10).json()
-        assert modes["policy"]["source"].startswith(str(site)), modes["policy"]  # the shipped paper.yaml
+        assert modes["policy"]["source"].startswith(str(site)), modes["policy"]  # the shipped default policy
         assert modes["quality_gate"]["report"].startswith(str(site))  # the shipped demo gate report
         assert {m["name"]: m["status"] for m in modes["modes"]} == {"fp16": "available", "prefix_cache": "available"}
         body = requests.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,

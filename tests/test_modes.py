@@ -8,15 +8,16 @@ from modeswitch.modes import load_modes, parse_mode
 from modeswitch.yamlconf import ConfigError, load_yaml
 
 REFERENCE = {"fp16", "gptq", "int8", "speculative", "prefix_cache", "continuous_batching", "gptq+prefix_cache",
-             "int8+continuous_batching"}
+             "int8+continuous_batching", "int8+prefix_cache"}
 EXTRA = {"speculative_ngram", "speculative_gptq_draft"}  # modes/extra, loaded by the test server
 
 
-def test_the_reference_set_of_8_modes_is_shipped():
+def test_the_reference_set_of_9_modes_is_shipped():
     modes = {m.name: m for m in load_modes()}
     assert set(modes) == REFERENCE
     assert modes["gptq+prefix_cache"].weights == "gptq" and modes["gptq+prefix_cache"].prefix_cache
     assert modes["int8+continuous_batching"].batching == "continuous"
+    assert modes["int8+prefix_cache"].weights == "int8" and modes["int8+prefix_cache"].prefix_cache
     assert modes["speculative"].speculative.draft == "auto"
 
 

@@ -51,7 +51,7 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server):
     engines = info["vllm_engines"]
     assert set(engines) == {"fp16", "gptq", "int8", "fp16+ngram-draft"}
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
-    assert set(engines["int8"]["modes"]) == {"int8", "int8+continuous_batching"}
+    assert set(engines["int8"]["modes"]) == {"int8", "int8+continuous_batching", "int8+prefix_cache"}
     assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
     for name in cards:
         body = complete(vllm_server, "Once upon a time", name, max_tokens=8)

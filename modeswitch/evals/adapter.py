@@ -1,18 +1,21 @@
-"""lm-eval model ``modeswitch``: any mode of the registry as an lm-eval LM.
+"""lm-eval model ``modeswitch``: any mode of the registry as an lm-eval LM, scored on the engine that serves it.
 
-    lm_eval --model modeswitch --model_args model=demo,mode=gptq --tasks jargon_cloze --include_path evals/tasks
+    lm_eval --model modeswitch --model_args model=demo,mode=gptq,engine=vllm --tasks jargon_cloze \
+        --include_path evals/tasks
 
-Loglikelihoods are computed from the mode's resident weights (what decides a mode's accuracy: prefix
-reuse, batching and speculative decoding change how tokens are produced, not their probabilities);
-``generate_until`` runs through the mode's real engine, so speculative, batched and prefix-cached
-decoding are what gets scored there. Tokenization follows lm-eval's ``TemplateLM`` like its ``hf``
-model, so scores are comparable with ``--model hf`` on the same checkpoint.
+Everything goes through the server's own engines, as a request would: loglikelihoods are prompt-scoring
+requests (what ``echo`` + ``logprobs`` asks of the HTTP API) on the plain mode of the mode's weights — its
+probabilities are the weights' on that engine (prefix reuse, batching and speculative decoding change how
+tokens are produced, not their probabilities), so vLLM's int8 weight-only kernels are scored as vLLM serves
+them, not as transformers would; ``generate_until`` runs on the mode itself, so speculative, batched and
+prefix-cached decoding are what gets scored there. Tokenization follows lm-eval's ``TemplateLM`` like its
+``hf`` model, so scores are comparable with ``--model hf`` on the same checkpoint.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import dataclasses
+
 from lm_eval import models as _builtin_models  # noqa: F401  (load the registry first, or 'hf' disappears)
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -25,14 +28,30 @@ from ..controller.rules import RulePolicy
 from ..engines.base import SamplingParams
 from ..modes import ModeSpec
 
+#: scoring requests a derived scoring mode takes at once: a batching engine (vLLM) scores them in one batch
+SCORING_WINDOW = 16
+
+
+def scoring_mode(spec: ModeSpec) -> ModeSpec:
+    """The mode that scores ``spec``'s weights: ``spec`` itself where it is plain, else the same weights decoded
+    one token at a time without prefix reuse — every engine can return prompt logprobs for that (transformers'
+    continuous batching cannot), and on vLLM it runs on the very engine that serves ``spec``'s weights."""
+    plain = ModeSpec(name=f"score-{spec.weights}", weights=spec.weights, max_queue=SCORING_WINDOW,
+                     description=f"{spec.weights} weights, plain: scores prompts for lm-eval")
+    as_plain = dataclasses.replace(spec, name=plain.name, max_queue=plain.max_queue, description=plain.description,
+                                   source=plain.source)
+    return spec if as_plain == plain else plain
+
 
 @register_model("modeswitch")
 class ModeSwitchLM(TemplateLM):
     backend = "causal"
 
     def __init__(self, model: str = "demo", mode: str = "fp16", max_length: int = 2048, batch_size: int = 1,
-                 device: str = "auto", gptq: str | None = None, spec: ModeSpec | None = None, **kwargs) -> None:
-        """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own)."""
+                 device: str = "auto", gptq: str | None = None, engine: str = "transformers",
+                 spec: ModeSpec | None = None, **kwargs) -> None:
+        """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own);
+        ``engine`` is the engine family, as ``serve.py --engine`` takes it."""
         super().__init__()
         if spec is None:
             specs = {m.name: m for m in all_shipped_modes()}
@@ -40,17 +59,23 @@ class ModeSwitchLM(TemplateLM):
                 raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(specs)}")
             spec = specs[mode]
         self.mode = mode = spec.name
+        scorer = scoring_mode(spec)
+        self.scored_on = scorer.name
+        self.window = scorer.max_queue  # scoring requests in flight at once (more would find the mode saturated)
+        specs = [spec] if scorer is spec else [spec, scorer]
+        # +2: a scored sequence of max_length + 1 tokens (as lm-eval's hf model truncates) plus one generated
         config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
-                              load=LoadConfig(engine="transformers", device=device, max_model_len=max_length))
+                              load=LoadConfig(engine=engine, device=device, max_model_len=max_length + 2))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
-        self.service = build_service(config, progress=lambda s: None, specs=[spec], policy=policy)
+        self.service = build_service(config, progress=lambda s: None, specs=specs, policy=policy)
         self.registry = self.service.registry
-        state = self.registry.modes[mode]
-        if not state.available:
-            self.registry.close()
-            raise RuntimeError(f"mode {mode} is unavailable: {state.reason}")
+        self.engine = self.registry.engine_kind
+        for name in {mode, scorer.name}:
+            state = self.registry.modes[name]
+            if not state.available:
+                self.registry.close()
+                raise RuntimeError(f"mode {name} is unavailable: {state.reason}")
         self.tokenizer = self.registry.tokenizer
-        self.scorer = self.registry.backend.weights.models[spec.weights]  # the transformers backend's weights
         self._max_length = max_length
 
     # ------------------------------------------------------------------ tokenization (as lm-eval's hf model)
@@ -73,22 +98,32 @@ class ModeSwitchLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
-    # ------------------------------------------------------------------ scoring
-    @torch.inference_mode()
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """Sum of log p(continuation | context) and whether the continuation is the greedy one."""
-        tokens = (context + continuation)[-(self.max_length + 1):]
-        inputs = torch.tensor([tokens[:-1]], device=self.scorer.device)
-        logprobs = F.log_softmax(self.scorer(inputs).logits[0, -len(continuation):].float(), dim=-1)
-        target = torch.tensor(continuation, device=logprobs.device)
-        total = logprobs.gather(1, target[:, None]).sum().item()
-        return total, bool((logprobs.argmax(dim=-1) == target).all())
+    # ------------------------------------------------------------------ scoring (prompt logprobs on the engine)
+    def _score_all(self, pairs: list[tuple[list[int], list[int]]], desc: str,
+                   disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """Per (context, continuation): the sum of log p(continuation | context) and whether the continuation
+        is the greedy one, from scoring requests on the scoring mode, as many in flight as it queues."""
+        out: list[tuple[float, bool]] = []
+        bar = tqdm(total=len(pairs), disable=disable_tqdm, desc=desc)
+        for start in range(0, len(pairs), self.window):
+            window = pairs[start:start + self.window]
+            sequences = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in window]
+            gens = [self.service.start(seq, SamplingParams(max_tokens=1, prompt_logprobs=1), mode=self.scored_on)
+                    for seq in sequences]
+            for gen, seq, (_, cont) in zip(gens, sequences, window):
+                for _ in gen.deltas():  # the one generated token; the scores come with the end of the request
+                    pass
+                positions = range(len(seq) - len(cont), len(seq))
+                total = sum(gen.logprobs["token_logprobs"][i] for i in positions)
+                greedy = all(max(gen.logprobs["top_logprobs"][i].items(), key=lambda kv: kv[1])[0] == seq[i]
+                             for i in positions)
+                out.append((total, greedy))
+                bar.update()
+        bar.close()
+        return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        out = []
-        for _, context_enc, continuation_enc in tqdm(requests, disable=disable_tqdm, desc=f"loglikelihood {self.mode}"):
-            out.append(self._score(context_enc, continuation_enc))
-        return out
+        return self._score_all([(ctx, cont) for _, ctx, cont in requests], f"loglikelihood {self.mode}", disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
@@ -96,7 +131,7 @@ class ModeSwitchLM(TemplateLM):
             windows = map(make_disjoint_window, get_rolling_token_windows(
                 token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
                 max_seq_len=self.max_length, context_len=1))
-            out.append(sum(self._score(ctx, cont)[0] for ctx, cont in windows))
+            out.append(sum(total for total, _ in self._score_all(list(windows), "", disable_tqdm=True)))
         return out
 
     # ------------------------------------------------------------------ generation (the mode's real engine)

@@ -1,8 +1,11 @@
 """The quality gate: every mode scored with lm-eval, compared with fp16, written as a report the router enforces.
 
-    python -m modeswitch.evals.gate --model demo [--limit 200] [--tasks jargon_cloze,jargon_ppl,jargon_copy]
-        [--policy policies/NAME.yaml]
+    python -m modeswitch.evals.gate --model demo [--engine auto|vllm|transformers] [--limit 200]
+        [--tasks jargon_cloze,jargon_ppl,jargon_copy] [--policy policies/NAME.yaml]
 
+Every mode is scored on the engine family that serves it (``--engine``, resolved as ``serve.py`` resolves it):
+a quantization is judged as that engine runs it (vLLM's int8 weight-only kernels are not bitsandbytes'
+LLM.int8), so a report is written per model and engine and the server enforces the one for its engine.
 Scoring tasks (multiple_choice, loglikelihood, loglikelihood_rolling) depend only on a mode's weights, so
 they run once per weights variant and every mode on those weights shares the result; generate_until
 tasks run on every mode, through its own engine. Deltas vs fp16: accuracy-like metrics (higher is
@@ -22,10 +25,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..config import ENGINES
 from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
-from ..resources import REPORTS_DIR
+from ..resources import REPORTS_DIR, shipped_report
 from .run import TASKS, evaluate, task_manager
 
 SCORING = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -60,7 +64,7 @@ def mark(report: dict) -> None:
 
 
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
-             gptq: str | None = None, progress=print) -> dict:
+             gptq: str | None = None, engine: str = "transformers", progress=print) -> dict:
     from .adapter import ModeSwitchLM
 
     kinds = task_kinds(tasks)
@@ -70,14 +74,16 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     by_weights: dict[str, dict] = {}
     modes: dict[str, dict] = {}
     unavailable: dict[str, str] = {}
+    served_by = None
     for spec in load_modes(*modes_dirs):
         t0 = time.perf_counter()
         try:
-            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq)
+            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, engine=engine)
         except RuntimeError as exc:
             unavailable[spec.name] = str(exc)
             progress(f"gate: {spec.name}: unavailable ({exc})")
             continue
+        served_by = lm.engine
         try:
             if scoring and spec.weights not in by_weights:
                 by_weights[spec.weights] = evaluate(lm, scoring, limit)["results"]
@@ -97,7 +103,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     import torch
     import transformers
 
-    report = {"model": model, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
+    report = {"model": model, "engine": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
               "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "unavailable": unavailable,
               "seconds": round(time.perf_counter() - started, 1),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -115,7 +121,7 @@ def render(report: dict) -> str:
     the ``general`` task family under the report's tolerances."""
     tasks = list(report["tasks"])
     verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
-    lines = [f"# Quality gate: {report['model']} ({report['date']})", "",
+    lines = [f"# Quality gate: {report['model']} on {report['engine']} ({report['date']})", "",
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s.", "",
@@ -136,16 +142,17 @@ def render(report: dict) -> str:
 
 def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = Path(report["model"]).name
-    path = out_dir / f"{stem}.json"
+    path = shipped_report(report["model"], report["engine"], out_dir)
     path.write_text(json.dumps(report, indent=2))
-    (out_dir / f"{stem}.md").write_text(render(report))
+    path.with_suffix(".md").write_text(render(report))
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m modeswitch.evals.gate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--engine", default="auto", choices=ENGINES,
+                    help="the engine family to score on, as serve.py --engine (default auto: vLLM where installed)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     ap.add_argument("--modes-dir", action="append", default=None)
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy:
         quality = load_policy(args.policy, [m.name for m in load_modes(*modes_dirs)]).quality
     report = run_gate(args.model, modes_dirs, tuple(t for t in args.tasks.split(",") if t), args.limit, quality,
-                      gptq=args.gptq)
+                      gptq=args.gptq, engine=args.engine)
     path = write(report, Path(args.out))
     print(render(report))
     print(f"report: {path}")
