@@ -32,14 +32,24 @@ from ..models import cache_dir
 _compile_cache_lock = threading.Lock()
 
 
+#: compiled variants dynamo keeps per step function: every decoder (one per mode, plus draft decoders) guards on
+#: its own cache and model, three shapes each; past torch's default of 8 a step would silently run eager
+RECOMPILE_LIMIT = 128
+
+
 def use_compile_cache() -> str:
     """Keep Inductor's compiled kernels and FX graph cache under the project's cache directory, so a restart
-    reloads them instead of compiling again (``TORCHINDUCTOR_CACHE_DIR`` set by the user wins)."""
+    reloads them instead of compiling again (``TORCHINDUCTOR_CACHE_DIR`` set by the user wins), and let every
+    decoder keep its own compiled steps."""
     with _compile_cache_lock:
         path = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         inductor_config.fx_graph_cache = True
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit,
+                                                        4 * RECOMPILE_LIMIT)
         return path
 
 

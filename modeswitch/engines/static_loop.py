@@ -32,6 +32,7 @@ class StaticLoopEngine(SerialEngine):
         self.drafter = drafter
         self.preallocated_kv = prefix_store is None  # stored prefixes are copies made per request
         k = drafter.k if drafter is not None else 0
+        self.counters["verify_steps"] = 0  # target steps that verified drafts (the others decoded one token)
         self.decoder = StaticDecoder(model, max_len, chunk=chunk, verify_tokens=k, compile=compile)
         self.warmup_s: float | None = None
 
@@ -94,6 +95,7 @@ class StaticLoopEngine(SerialEngine):
             if self.decoder.compiled:  # one verify shape: pad; a padded token is a proposal like any other
                 drafts = drafts + [0] * (self.drafter.k - len(drafts))
             logits = self._step(req, [generated[-1]] + drafts, position)
+            self.counters["verify_steps"] += 1
             new = accept(logits, drafts, p)
         if self.prefix_store is not None:
             fed = len(prompt) + len(generated) - 1
