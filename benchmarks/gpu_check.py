@@ -308,6 +308,8 @@ def markdown(r: dict) -> str:
              f"{r['run']['tokens']} generated, batch 1; compile mode {r['compile']}; bandwidth "
              f"{r['bandwidth_gbs']:.0f} GB/s, weights {r['weights_gb']:.2f} GB, HBM floor {r['hbm_floor_ms']:.3f} ms; "
              f"wall {r['wall_s']:.0f} s.", "",
+             *(["**A CPU dry run**: it shows that the script and every mode's path run end to end; the bounds are the "
+                "H200's and say nothing about a tiny model on a CPU.", ""] if r["device"] == "cpu" else []),
              "| target | measured | bound | met |", "|---|---|---|---|"]
     for target, value, bound, met in targets(r):
         lines.append(f"| {target} | {value} | {bound} | {'–' if met is None else 'yes' if met else 'NO'} |")

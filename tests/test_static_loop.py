@@ -183,7 +183,8 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 
 
 def test_int8_weight_only_compiled_equals_its_eager_output(engines):
-    """Inductor compiles the loop's steps over int8 weight-only layers; tokens equal the same model's eager ones."""
+    """Inductor compiles the loop's steps over int8 weight-only layers; tokens equal the same model's eager ones,
+    and two compiled engines on one model keep to their own caches."""
     model = tiny_llama()
     fp_linear = model.model.layers[0].mlp.up_proj
     assert quantize_int8_weight_only(model) == 14
@@ -199,6 +200,12 @@ def test_int8_weight_only_compiled_equals_its_eager_output(engines):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 2  # prefill chunk and decode step
     compiled, _ = run(compiled_engine, prompt, n=10)
     assert compiled == eager == reference(model, prompt, 10)
+    # a second mode on the same weights reuses the compiled steps over its own cache: neither disturbs the other
+    other = loop(engines, model, chunk=8, compile="default")
+    other.warm_up()
+    prompt2 = [9, 9, 100, 4, 3, 2, 77]
+    assert run(other, prompt2, n=6)[0] == reference(model, prompt2, 6)
+    assert run(compiled_engine, prompt, n=10)[0] == compiled
 
 
 def test_decode_compiled_builds_cpu_modes_on_the_loop(demo, tok):
