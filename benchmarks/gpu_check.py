@@ -344,6 +344,11 @@ def main() -> None:
     run = RUN[args.shape]
     import transformers
 
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) < (5, 19):  # the loop's cache layer follows 5.19's StaticLayer (lazy init, positions)
+        print(f"warning: transformers {transformers.__version__} < 5.19; the static-cache loop was written against "
+              "5.19 (carry its wheel in .gpu/whl/ if a section fails)", flush=True)
+
     meter = open_meter() if device.type == "cuda" else None
     results: dict[str, Any] = {
         "tag": args.tag or f"{args.device}-{args.shape}", "shape": args.shape, "device": args.device,

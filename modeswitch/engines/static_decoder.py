@@ -114,6 +114,9 @@ class StaticDecoder:
         torch._dynamo.mark_static_address(self.start)  # written inside the graph: must not move (CUDA graphs)
         self._slots = torch.arange(size, device=self.device)
         self.cache = StaticCache(config=model.config, max_cache_len=size)
+        if any(getattr(layer, "is_sliding", False) for layer in self.cache.layers):
+            raise ValueError("the static-cache loop serves full-attention models (Llama family); this one has "
+                             "sliding-window layers")
         self.cache.layers = [_PinnedLayer(size, self.start) for _ in self.cache.layers]
         self.compile = compile
         self.compiled = compile is not None
