@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192,
                    help="longest prompt + output served (caps the model's context; sizes KV reservations)")
     p.add_argument("--decode", default="auto", choices=DECODE_PATHS,
-                   help="decode path of plain modes: compiled static cache (auto: on GPUs) or eager")
+                   help="compiled: every one-at-a-time mode on the owned static-cache loop, compiled (CUDA graphs "
+                        "on a GPU), and CUDA graphs for continuous batching; eager: generate(); auto: compiled on GPUs")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--gate-report", default=None,
                    help="quality gate report the router enforces (default: the shipped evals/reports/<model>-<engine>.json "

@@ -2,7 +2,10 @@
 
 Variants: ``fp16`` (the reference weights), ``gptq`` (a GPTQ 4-bit checkpoint: the preset's published
 one, or the demo's, built locally), ``int8`` (bitsandbytes LLM.int8, quantized on the fly from the
-reference weights) and ``draft`` (the preset's draft model for speculative decoding). A variant that
+reference weights) and ``draft`` (the preset's draft model for speculative decoding). With
+``compiled_kernels`` (the owned static-cache loop) INT8 is int8 weight-only instead and GPTQ's 4-bit codes are
+repacked for PyTorch's int4 kernel (:mod:`modeswitch.kernels`): layers that compile, where LLM.int8 and
+GPTQModel's kernels run eagerly (and are not installed on the GPU machine). A variant that
 cannot be had here raises :class:`VariantUnavailable` with the reason the registry shows for its modes.
 
 Models are loaded here, below the engines that run them: an engine is handed a loaded model object.
@@ -95,10 +98,11 @@ def serialize_forward(model) -> None:
 
 
 class WeightStore:
-    def __init__(self, preset: Preset, device, dtype) -> None:
+    def __init__(self, preset: Preset, device, dtype, compiled_kernels: bool = False) -> None:
         self.preset = preset
         self.device = device
         self.dtype = dtype
+        self.compiled_kernels = compiled_kernels
         self.models: dict[str, Any] = {}
         self.load_seconds: dict[str, float] = {}
         self._refs: dict[str, str] = {}
@@ -111,7 +115,8 @@ class WeightStore:
         if variant in self._refs:
             return self._refs[variant]
         try:
-            missing = [p for p in NEEDS.get(variant, ()) if importlib.util.find_spec(p) is None]
+            needs = () if self.compiled_kernels and variant == "int8" else NEEDS.get(variant, ())
+            missing = [p for p in needs if importlib.util.find_spec(p) is None]
             if missing:
                 raise VariantUnavailable(f"{variant} weights need {', '.join(missing)}: {QUANT_HINT}")
             source = {"fp16": self.preset.fp16, "int8": self.preset.fp16, "gptq": self.preset.gptq,
@@ -134,19 +139,31 @@ class WeightStore:
         started = time.perf_counter()
         progress(f"loading {variant} weights from {ref} on {self.device} as {self.dtype}")
         kwargs: dict[str, Any] = {}
-        if variant == "int8":
+        if variant == "int8" and not self.compiled_kernels:
             from transformers import BitsAndBytesConfig
 
             logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a cast warning on every CPU matmul
             kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
         try:
             model = load_causal_lm(ref, self.device, self.dtype, f"{variant} weights of {self.preset.name}", **kwargs)
+            if self.compiled_kernels:
+                self._compilable(variant, model, progress)
         except Exception as exc:
             self._failed[variant] = f"{variant} weights failed to load: {exc}"
             raise VariantUnavailable(self._failed[variant]) from exc
         self.models[variant] = model
         self.load_seconds[variant] = time.perf_counter() - started
         return model
+
+    def _compilable(self, variant: str, model, progress: Callable[[str], None]) -> None:
+        """Swap the quantized layers for ones the compiled loop fuses (before any forward: GPTQModel's CPU
+        kernel repacks its own tensors on first use)."""
+        from .kernels import quantize_int8_weight_only, repack_gptq
+
+        if variant == "int8":
+            progress(f"int8 weight-only: {quantize_int8_weight_only(model)} layers quantized")
+        elif variant == "gptq":
+            progress(f"gptq: {repack_gptq(model)} layers repacked for the int4 tinygemm kernel")
 
     def nbytes(self, variant: str) -> int:
         """Measured resident bytes of a loaded variant (parameters and buffers)."""

@@ -27,9 +27,10 @@ class Checkpoint:
         self.preset = preset
         self.device, self.dtype = resolve_device_dtype(load.device, load.dtype)
         self.max_model_len = load.max_model_len
-        #: compiled decode for plain modes: on by default on a GPU, where eager decode is launch-bound
+        #: compiled decode: on by default on a GPU, where eager decode is launch-bound; on a CPU only when asked
+        #: (the 2-core demo is overhead-bound there and compiling costs minutes, STACK.md section 6)
         self.compiled_decode = load.decode == "compiled" or (load.decode == "auto" and self.device.type == "cuda")
-        self.weights = WeightStore(preset, self.device, self.dtype)
+        self.weights = WeightStore(preset, self.device, self.dtype, compiled_kernels=self.compiled_decode)
         self.shape: ModelShape | None = None
         self.context_length = 0
         self._draft_shape: ModelShape | None = None

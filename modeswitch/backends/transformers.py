@@ -1,8 +1,11 @@
 """The transformers backend: every mode in this process, weights loaded once per variant and shared.
 
-A mode's options become constructor arguments of the two transformers workers
-(:mod:`modeswitch.engines.hf`): continuous batching gets the paged-KV manager, every other mode a
-``generate()`` worker with its prefix store, draft and decode path.
+A mode's options become constructor arguments of the transformers workers. With compiled decode (``--decode
+auto`` on a GPU, ``--decode compiled`` anywhere) every one-at-a-time mode rides the owned static-cache loop
+(:mod:`modeswitch.engines.static_loop`: fp16, INT8 weight-only, GPTQ repacked for int4 tinygemm, prefix reuse,
+speculative verify, all compiled) and continuous batching turns on transformers' CUDA graphs; otherwise (CPUs by
+default, where the small demo is overhead-bound and compiling costs minutes) modes run eager ``generate()``
+workers and the plain continuous-batching manager, as measured fastest there.
 """
 
 from __future__ import annotations
@@ -10,17 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import LoadConfig
+from ..engines.drafts import ModelDrafter, NgramDrafter
 from ..engines.hf import ContinuousBatchingEngine, GenerateEngine
 from ..engines.prefix_kv import PrefixKVStore
+from ..engines.static_decoder import StaticDecoder
+from ..engines.static_loop import StaticLoopEngine
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset
 from ..modes import ModeSpec
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
-
-#: Weights whose plain modes take the compiled static-cache decode on a GPU. bitsandbytes INT8 stays eager:
-#: compiling a quantized 8B decode on an H200 ran over 90 s without finishing, too long for start-up.
-COMPILED_WEIGHTS = ("fp16", "gptq")
 
 
 class TransformersBackend:
@@ -31,6 +33,10 @@ class TransformersBackend:
         #: the loaded variants, shared by every mode on them (the lm-eval adapter scores with them too)
         self.weights = self.checkpoint.weights
         self.device = str(self.checkpoint.device)
+        #: the owned loop's ``torch.compile`` mode: CUDA graphs on a GPU; None runs it eager (tests do, to build
+        #: loop modes on a CPU in seconds)
+        self.loop_compile: str | None = "reduce-overhead" if self.checkpoint.device.type == "cuda" else "default"
+        self._warmup_s: dict[str, float] = {}
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()
@@ -43,36 +49,75 @@ class TransformersBackend:
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
         model = self.weights.get(spec.weights, progress)
         details: dict[str, Any] = {}
+        loop = self.checkpoint.compiled_decode
         if spec.batching == "continuous":
+            graphs = loop and self.checkpoint.device.type == "cuda"
             engine = ContinuousBatchingEngine(spec.name, model, spec.max_queue, CB_NUM_BLOCKS, CB_MAX_BATCH_TOKENS,
-                                              CB_PAGE_SIZE)
+                                              CB_PAGE_SIZE, graphs=graphs)
             details["sampling"] = False
+            details["decode"] = "continuous batching, CUDA graphs + compiled" if graphs else "continuous batching, eager"
+        elif loop:
+            engine = self._loop_engine(spec, model, details, progress)
         else:
-            draft_model, lookup = None, None
-            if spec.speculative is not None:
-                variant = self.checkpoint.draft_variant(spec)
-                if variant is None:
-                    lookup = spec.speculative.num_tokens
-                    details["draft"] = f"ngram (prompt lookup, {lookup} tokens)"
-                else:
-                    draft_model = self.weights.get(variant, progress)
-                    draft_model.generation_config.num_assistant_tokens = spec.speculative.num_tokens
-                    preset = self.checkpoint.preset
-                    details["draft"] = (f"{variant} weights of {preset.name} (self-draft)" if variant == "gptq"
-                                        else preset.draft)
-            store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
-            compiled = (self.checkpoint.compiled_decode and store is None and spec.speculative is None
-                        and spec.weights in COMPILED_WEIGHTS)
-            static = self.checkpoint.context_length if compiled else None
-            engine = GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, static)
-            details["decode"] = "compiled static cache" if static else "eager dynamic cache"
+            engine = self._generate_engine(spec, model, details, progress)
         return BuiltMode(engine, details, self.checkpoint.step_cost(self.weights.nbytes(spec.weights)))
+
+    def _draft_variant(self, spec: ModeSpec, details: dict[str, Any]) -> str | None:
+        """The weights a speculative mode drafts with (None: n-gram lookup), named in its details."""
+        variant = self.checkpoint.draft_variant(spec)
+        k = spec.speculative.num_tokens
+        preset = self.checkpoint.preset
+        details["draft"] = (f"ngram (prompt lookup, {k} tokens)" if variant is None
+                            else f"{variant} weights of {preset.name} (self-draft)" if variant == "gptq"
+                            else preset.draft)
+        return variant
+
+    def _generate_engine(self, spec: ModeSpec, model, details: dict[str, Any], progress: Progress) -> GenerateEngine:
+        draft_model, lookup = None, None
+        if spec.speculative is not None:
+            variant = self._draft_variant(spec, details)
+            if variant is None:
+                lookup = spec.speculative.num_tokens
+            else:
+                draft_model = self.weights.get(variant, progress)
+                draft_model.generation_config.num_assistant_tokens = spec.speculative.num_tokens
+        store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
+        details["decode"] = "eager dynamic cache"
+        return GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup)
+
+    def _loop_engine(self, spec: ModeSpec, model, details: dict[str, Any], progress: Progress) -> StaticLoopEngine:
+        """The owned loop with this mode's options, compiled and warm before it is listed as available."""
+        ctx, compile = self.checkpoint.context_length, self.loop_compile
+        drafter = None
+        if spec.speculative is not None:
+            k = spec.speculative.num_tokens
+            variant = self._draft_variant(spec, details)
+            if variant is None:
+                drafter = NgramDrafter(k)
+            else:
+                draft = StaticDecoder(self.weights.get(variant, progress), ctx, compile=compile)
+                drafter = ModelDrafter(draft, k)
+        store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
+        engine = StaticLoopEngine(spec.name, model, spec.max_queue, ctx, prefix_store=store, drafter=drafter,
+                                  compile=compile)
+        progress(f"mode {spec.name}: {'compiling' if compile else 'warming up'} the static-cache loop")
+        try:
+            seconds = engine.warm_up()
+        except Exception:
+            engine.close()
+            raise
+        self._warmup_s[spec.name] = seconds
+        details["decode"] = f"owned static-cache loop ({'compiled: ' + compile if compile else 'eager'})"
+        details["warmup_s"] = round(seconds, 2)
+        progress(f"mode {spec.name}: loop warm in {seconds:.1f} s")
+        return engine
 
     def resident_weights(self) -> dict[str, int]:
         return {v: self.weights.nbytes(v) for v in self.weights.models}
 
     def startup_seconds(self) -> dict[str, float]:
-        return {f"weights:{v}": t for v, t in self.weights.load_seconds.items()}
+        return {**{f"weights:{v}": t for v, t in self.weights.load_seconds.items()},
+                **{f"warmup:{m}": t for m, t in self._warmup_s.items()}}
 
     def describe(self) -> dict[str, Any]:
         return {}

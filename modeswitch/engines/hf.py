@@ -2,7 +2,7 @@
 
 Two workers cover every mode option; a mode's options are constructor arguments, not new classes:
 
-* :class:`GenerateEngine` runs ``model.generate`` one request at a time, optionally with prefix-KV reuse
+* :class:`GenerateEngine` runs eager ``model.generate`` one request at a time, optionally with prefix-KV reuse
   (:class:`~modeswitch.engines.prefix_kv.PrefixKVStore`) and/or speculative decoding (a draft model, or
   prompt-lookup n-grams when the preset has no draft).
 * :class:`ContinuousBatchingEngine` feeds transformers' continuous-batching manager (paged KV, requests
@@ -14,8 +14,6 @@ copy, its forward pass serialized across the engines' threads.
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 from typing import Any
 
@@ -23,19 +21,11 @@ import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
+from .base import Engine, GenRequest, KvUse, paged_tokens
 from .prefix_kv import PrefixKVStore
+from .worker import SerialEngine, eos_ids, finish_reason
 
-log = logging.getLogger(__name__)
-
-
-def eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
+__all__ = ["ContinuousBatchingEngine", "GenerateEngine", "eos_ids"]
 
 
 class _EventStreamer(BaseStreamer):
@@ -78,19 +68,10 @@ class _StopWhenCancelled(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.req.cancelled.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-def _finish_reason(req: GenRequest, generated: list[int], eos: set[int]) -> str:
-    if req.cancelled.is_set():
-        return "cancelled"
-    if generated and generated[-1] in eos:
-        return "stop"
-    return "length"
-
-
-class GenerateEngine(Engine):
-    """One ``generate()`` at a time on a worker thread (batch size 1, as transformers' speculative path needs).
-
-    ``static_cache_len`` (plain modes on a GPU) selects the compiled static-cache decode path; prefix-KV
-    reuse and speculative decoding keep the dynamic cache they are built on.
+class GenerateEngine(SerialEngine):
+    """One eager ``generate()`` at a time on a worker thread (batch size 1, as transformers' speculative path
+    needs), over a dynamic cache. The compiled static-cache path is the owned loop
+    (:mod:`modeswitch.engines.static_loop`), which the backend picks instead where it is faster (GPUs).
     """
 
     def __init__(
@@ -101,45 +82,14 @@ class GenerateEngine(Engine):
         prefix_store: PrefixKVStore | None = None,
         draft_model=None,
         prompt_lookup_tokens: int | None = None,
-        static_cache_len: int | None = None,
     ) -> None:
-        super().__init__(max_queue)
-        self.name = name
-        self.model = model
-        self.prefix_store = prefix_store
         self.draft_model = draft_model
         self.prompt_lookup_tokens = prompt_lookup_tokens
-        self.static_cache_len = static_cache_len
-        self.preallocated_kv = static_cache_len is not None
-        self.eos = eos_ids(model)
-        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
-        self._queue: queue.Queue[GenRequest | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
-        self._thread.start()
+        super().__init__(name, model, max_queue, prefix_store)
 
     @property
     def speculative(self) -> bool:
         return self.draft_model is not None or self.prompt_lookup_tokens is not None
-
-    def _enqueue(self, req: GenRequest) -> None:
-        self._queue.put(req)
-
-    def _loop(self) -> None:
-        while True:
-            req = self._queue.get()
-            if req is None:
-                return
-            if req.cancelled.is_set():
-                req.emit("done", finish_reason="cancelled", cached_tokens=0)
-                continue
-            try:
-                if req.params.prompt_logprobs is not None:
-                    self._score(req)
-                else:
-                    self._generate(req)
-            except Exception as exc:  # one request's failure must not stop the worker
-                log.exception("mode %s failed a request", self.name)
-                req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
 
     @torch.inference_mode()
     def _generate(self, req: GenRequest) -> None:
@@ -165,11 +115,6 @@ class GenerateEngine(Engine):
             kwargs["assistant_model"] = self.draft_model
         elif self.prompt_lookup_tokens is not None:
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
-        elif self.static_cache_len is not None:
-            # One static KV shape for every request: transformers compiles the decode step once (at warm-up)
-            # and replays it, instead of launching each layer's kernels eagerly (4.4x faster decode of an
-            # 8B model on an H200: 7.7 instead of 33.7 ms/step).
-            kwargs.update(cache_implementation="static", max_cache_len=self.static_cache_len)
         streamer = _EventStreamer(self, req, cached)
         try:
             out = self.model.generate(input_ids, streamer=streamer, **kwargs)
@@ -180,55 +125,8 @@ class GenerateEngine(Engine):
         if self.prefix_store is not None:
             kv = out.past_key_values
             self.prefix_store.store(sequence[: kv.get_seq_length()], kv)
-        self.counters["requests"] += 1
-        self.counters["generated_tokens"] += len(generated)
-        info: dict[str, Any] = {"finish_reason": _finish_reason(req, generated, self.eos), "cached_tokens": cached}
-        if self.speculative:
-            self.counters["spec_steps"] += streamer.steps
-            self.counters["spec_tokens"] += streamer.tokens
-            info["speculative"] = {"target_steps": streamer.steps, "accepted_draft_tokens": streamer.tokens - streamer.steps}
-        req.emit("done", **info)
-
-    @torch.inference_mode()
-    def _score(self, req: GenRequest) -> None:
-        """One forward pass over the prompt: each token's logprob given what precedes it, the ``k`` most
-        likely alternatives at each position, and the greedy next token with its own logprob."""
-        ids = req.prompt_ids
-        with self._metered_step([(req, len(ids), len(ids))]):
-            logits = self.model(torch.tensor([ids], device=self.model.device)).logits[0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        following = torch.tensor(ids[1:] + [int(logprobs[-1].argmax())], device=logprobs.device)
-        chosen = logprobs.gather(1, following[:, None])[:, 0].tolist()
-        k = max(1, req.params.prompt_logprobs)
-        top_values, top_ids = logprobs.topk(k, dim=-1)
-        tops = [dict(zip(i.tolist(), v.tolist())) for i, v in zip(top_ids, top_values)]
-        next_token = int(following[-1])
-        self.counters["requests"] += 1
-        self.counters["generated_tokens"] += 1
-        req.emit("tokens", [next_token])
-        req.emit("done", finish_reason="length", cached_tokens=0,
-                 logprobs={"token_ids": ids + [next_token], "token_logprobs": [None] + chosen,
-                           "top_logprobs": [None] + tops})
-
-    def prefix_match(self, prompt_ids: list[int]) -> int | None:
-        return None if self.prefix_store is None else self.prefix_store.match_length(prompt_ids)
-
-    def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = dict(self.counters)
-        if self.prefix_store is not None:
-            stats.update(self.prefix_store.stats())
-        return {**stats, **spec_tokens_per_step(self.counters)}
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-        while True:  # anything still queued behind the sentinel gets an answer
-            try:
-                req = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if req is not None:
-                req.emit("error", error="server shutting down")
+        spec = self._count_done(len(generated), *((streamer.steps, streamer.tokens) if self.speculative else ()))
+        req.emit("done", finish_reason=finish_reason(req, generated, self.eos), cached_tokens=cached, **spec)
 
 
 class ContinuousBatchingEngine(Engine):
@@ -242,7 +140,10 @@ class ContinuousBatchingEngine(Engine):
     supports_scoring = False
     preallocated_kv = True  # the paged block pool is reserved at start
 
-    def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int) -> None:
+    def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int,
+                 graphs: bool = False) -> None:
+        """``graphs`` (GPUs): capture the batch steps as CUDA graphs and compile them (transformers' own options);
+        eager batch steps are launch-bound there (57.6 ms/token on an H200, 6.3x fp16's compiled decode)."""
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         super().__init__(max_queue)
@@ -259,6 +160,7 @@ class ContinuousBatchingEngine(Engine):
             max_batch_tokens=max_batch_tokens,
             page_size=page_size,
             auto_switch_to_flash=False,  # the model object is shared with other modes: leave its attention as is
+            **(dict(use_cuda_graph=True, default_compile_level=1) if graphs else {}),
         )
         self.manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
         self._manager_step = self.manager._generation_step
@@ -321,7 +223,7 @@ class ContinuousBatchingEngine(Engine):
                 self._finish(req)
                 self.counters["requests"] += 1
                 self.counters["generated_tokens"] += len(out.generated_tokens)
-                req.emit("done", finish_reason=_finish_reason(req, list(out.generated_tokens), self.eos), cached_tokens=0)
+                req.emit("done", finish_reason=finish_reason(req, list(out.generated_tokens), self.eos), cached_tokens=0)
 
     def _finish(self, req: GenRequest) -> None:
         with self._active_lock:
