@@ -45,8 +45,8 @@ def all_shipped_modes() -> list[ModeSpec]:
 
 
 def gate_report_path(config: ServerConfig, engine: str) -> Path | None:
-    """The report the quality gate enforces: the configured one, else the one shipped for this model on the
-    ``engine`` family serving it, if it exists; None when the gate is off."""
+    """The report the quality gate enforces: the configured one, else the one shipped for this model scored on
+    the kernels serving it (``engine``: the backend's ``gate_key``), if it exists; None when the gate is off."""
     if config.gate_report == NO_GATE:
         return None
     if config.gate_report:
@@ -72,7 +72,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     registry.load(progress)
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined)
-    report = gate_report_path(config, registry.engine_kind)
+    report = gate_report_path(config, registry.gate_key)
     if report is not None:
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")

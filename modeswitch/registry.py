@@ -173,6 +173,11 @@ class ModeRegistry:
         """The engine family serving every mode (the backend's name)."""
         return self.backend.name
 
+    @property
+    def gate_key(self) -> str:
+        """What a quality gate report must have been scored on to hold here (see ``Backend.gate_key``)."""
+        return self.backend.gate_key
+
     # ------------------------------------------------------------------ loading
     def _plan_memory(self, progress: Progress) -> MemoryPlan:
         """Open the model, size every mode from the backend's footprints, check the budget.

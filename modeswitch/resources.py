@@ -22,6 +22,6 @@ CORPUS = DATA / "jargon_prose.txt.gz"
 
 
 def shipped_report(model: str, engine: str, reports_dir: Path = REPORTS_DIR) -> Path:
-    """The quality gate report for ``model`` scored on the ``engine`` family (it may not exist: a gate run
-    writes it). One per engine: a quantized variant's accuracy is its engine's kernels'."""
+    """The quality gate report for ``model`` scored on ``engine`` (a backend's ``gate_key``; it may not exist: a
+    gate run writes it). One per engine: a quantized variant's accuracy is its engine's kernels'."""
     return reports_dir / f"{Path(model).name}-{engine}.json"

@@ -49,7 +49,7 @@ class _EchoEngine(Engine):
 class _Backend:
     """Every mode on its own 1 GiB of weights and 1 MiB of KV; what to refuse is set per mode name."""
 
-    name = "stub"
+    name = gate_key = "stub"
     device = "cpu"
 
     def __init__(self, missing=(), broken=(), failing=()) -> None:

@@ -234,5 +234,7 @@ def test_decode_compiled_builds_cpu_modes_on_the_loop(demo, tok):
         int8 = backend.weights.models["int8"].model.layers[0].self_attn.q_proj
         assert isinstance(int8, Int8WeightOnlyLinear)
         assert isinstance(backend.weights.models["gptq"].model.layers[0].self_attn.q_proj, Int4Linear)
+        # other int8 and gptq kernels than the eager engine's: a gate report scored there does not hold here
+        assert registry.gate_key == "transformers-compiled" != TransformersBackend(PRESETS["demo"], LoadConfig()).gate_key
     finally:
         registry.close()

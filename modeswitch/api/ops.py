@@ -61,7 +61,8 @@ def modes():
         for d in described:
             d["quality_gate"] = ("not in report" if d["name"] not in verdicts
                                  else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
-    gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else None
+    gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else {}
+    gate["holds_for"] = service.registry.gate_key  # the report name (evals/reports/<model>-<this>.json) it needs
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                     "quality_gate": gate, "memory": service.registry.memory(),
                     "startup_seconds": service.registry.startup_seconds(), "engine": service.registry.engine_kind,

@@ -49,6 +49,10 @@ class Backend(Protocol):
 
     #: the engine family, as ``/v1/modes`` names it ("transformers", "vllm")
     name: str
+    #: the kernels its modes run, which a quality gate report holds for: the family, plus whatever changes the
+    #: numbers within it ("transformers-compiled": int8 weight-only and repacked GPTQ instead of LLM.int8 and
+    #: GPTQModel's kernels). The server enforces the shipped report of this name.
+    gate_key: str
     #: where the modes live: "cpu" or a CUDA device such as "cuda:0" (memory budget, energy meter)
     device: str
 

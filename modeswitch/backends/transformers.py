@@ -37,6 +37,7 @@ class TransformersBackend:
         #: loop modes on a CPU in seconds)
         self.loop_compile: str | None = "reduce-overhead" if self.checkpoint.device.type == "cuda" else "default"
         self._warmup_s: dict[str, float] = {}
+        self.gate_key = "transformers-compiled" if self.checkpoint.compiled_decode else "transformers"
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()

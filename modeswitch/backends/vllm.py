@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 
 
 class VllmBackend:
-    name = "vllm"
+    name = gate_key = "vllm"
 
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
         self.checkpoint = Checkpoint(preset, load)

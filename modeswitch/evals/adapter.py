@@ -69,7 +69,7 @@ class ModeSwitchLM(TemplateLM):
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=specs, policy=policy)
         self.registry = self.service.registry
-        self.engine = self.registry.engine_kind
+        self.engine = self.registry.gate_key  # what the scores hold for
         for name in {mode, scorer.name}:
             state = self.registry.modes[name]
             if not state.available:

@@ -23,6 +23,7 @@ KV_BYTES_PER_TOKEN = 1024
 
 class FakeBackend:
     name = "fake"
+    gate_key = "fake"
     device = "cpu"
 
     def __init__(self, scripts: Mapping[str, Script] | None = None, unavailable: Mapping[str, str] | None = None,
