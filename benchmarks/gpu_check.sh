@@ -6,7 +6,15 @@
 # in .gpu/whl/ and it is installed first. Run it with a timeout that leaves a rerun: it stops starting new
 # sections after --budget-s (default 420 s), so it ends inside 8 minutes.
 #   DEVICE=cpu SHAPE=tiny benchmarks/gpu_check.sh   # the CPU dry run of the same script
+#   benchmarks/gpu_check.sh --prepare                # here, before the run: the transformers wheel this checkout
+#                                                    # runs, into .gpu/whl/ (12 MB; pass carry: [".gpu"])
 set -euo pipefail
+if [ "${1:-}" = --prepare ]; then
+  version=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
+  .venv/bin/python -m pip download -q --no-deps "transformers==$version" -d .gpu/whl
+  ls -la .gpu/whl
+  exit 0
+fi
 OUT=${OUT:-/tmp/gpu-out}
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama-3.1-8b}
