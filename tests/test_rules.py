@@ -130,3 +130,32 @@ def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
     controller.quality_report = None
     with pytest.raises(Exception, match="no quality gate report"):
         controller.decide(feats())
+
+
+def test_the_default_policy_batches_int8_first_and_falls_back_to_the_reference_weights_where_the_gate_fails_int8():
+    """batch-first.yaml with the shipped vLLM gate report: int8 batched, int8 reading the cache on a shared prefix;
+    with a report in which int8 fails, the same requests go to the reference weights' batched and prefix modes."""
+    import json
+
+    from modeswitch.controller.decide import Controller
+    from modeswitch.models import PRESETS
+    from modeswitch.registry import ModeRegistry
+    from modeswitch.resources import DEFAULT_POLICY, shipped_report
+
+    modes = load_modes()
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
+    for state in pool.modes.values():
+        state.status = "available"
+    controller = Controller(pool.modes, load_policy(DEFAULT_POLICY, MODES))
+    report = json.loads(shipped_report("demo", "vllm").read_text())
+    controller.quality_report = report
+    shared = feats(prefix_match_tokens=200, prefix_match_ratio=0.8,
+                   prefix_match_by_mode={"int8+prefix_cache": 200, "prefix_cache": 200})
+    assert controller.decide(feats()).mode == "int8+continuous_batching"
+    assert controller.decide(shared).mode == "int8+prefix_cache"
+    pressed = controller.decide(feats(memory_headroom=0.05))  # the demo's GPTQ fails the gate: int8 then
+    assert pressed.mode == "int8" and "gptq: fails the quality gate" in pressed.reason
+    int8_fails = {mode: report["modes"]["gptq"] for mode in ("int8", "int8+continuous_batching", "int8+prefix_cache")}
+    controller.quality_report = {**report, "modes": {**report["modes"], **int8_fails}}  # int8 as bad as GPTQ
+    assert controller.decide(feats()).mode == "continuous_batching"
+    assert controller.decide(shared).mode == "prefix_cache"
