@@ -121,7 +121,8 @@ def render(report: dict) -> str:
     the ``general`` task family under the report's tolerances."""
     tasks = list(report["tasks"])
     verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
-    lines = [f"# Quality gate: {report['model']} on {report['engine']} ({report['date']})", "",
+    engine = f" on {report['engine']}" if report.get("engine") else ""  # reports before per-engine scoring: none
+    lines = [f"# Quality gate: {report['model']}{engine} ({report['date']})", "",
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s.", "",
