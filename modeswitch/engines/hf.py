@@ -25,9 +25,6 @@ from .base import Engine, GenRequest, KvUse, paged_tokens
 from .prefix_kv import PrefixKVStore
 from .worker import SerialEngine, eos_ids, finish_reason
 
-__all__ = ["ContinuousBatchingEngine", "GenerateEngine", "eos_ids"]
-
-
 class _EventStreamer(BaseStreamer):
     """Forwards each step's new tokens to the request, meters each step (the interval between two outputs is
     one forward step of the request), and counts target steps for speculative statistics."""

@@ -109,7 +109,8 @@ class StaticDecoder:
         self.max_len = max_len
         self.device = model.device
         self.verify_tokens = verify_tokens
-        size = max_len + max(chunk, verify_tokens + 1)
+        #: positions the cache holds: ``max_len`` plus room for a padded prefill chunk or a verify step at its end
+        self.size = size = max_len + max(chunk, verify_tokens + 1)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)
         torch._dynamo.mark_static_address(self.start)  # written inside the graph: must not move (CUDA graphs)
         self._slots = torch.arange(size, device=self.device)
@@ -153,7 +154,7 @@ class StaticDecoder:
     def run(self, tokens: list[int], start: int) -> torch.Tensor:
         """Feed ``tokens`` at positions ``start...``; returns their logits ``[len(tokens), vocab]`` (float)."""
         n = len(tokens)
-        if n == 0 or start + n > self.max_len + max(self.chunk, self.verify_tokens + 1):
+        if n == 0 or start + n > self.size:
             raise ValueError(f"{n} tokens at {start} do not fit a static cache of {self.max_len}")
         ids = torch.tensor([tokens], device=self.device)
         positions = torch.arange(start, start + n, device=self.device)
