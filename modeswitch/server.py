@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"preset ({', '.join(PRESETS)}) or any Llama-family causal LM as hub id or local path")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/paper.yaml)")
+    p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/batch-first.yaml)")
     p.add_argument("--engine", default="auto", choices=ENGINES,
                    help="auto (default: vLLM where it is installed, else transformers), vllm (vLLM engines, modes "
                         "mapped onto the fewest), or transformers (in-process, portable)")

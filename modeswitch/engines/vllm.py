@@ -46,8 +46,13 @@ def vllm_installed() -> bool:
 
 def quiet_environment(cache_root: str) -> None:
     """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
-    hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs."""
+    hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
+
+    vLLM 0.32 on a CPU saves its AOT-compiled model but cannot load it back ("'function' object has no
+    attribute 'finalize_loading'"), so every start compiled the model again (~40 s per engine on 2 cores);
+    without AOT compilation Inductor's own cache serves the second start (~10 s)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_root, "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, "inductor"))
 
@@ -114,6 +119,19 @@ class RunnerStats:
     max_running: int = 0
 
 
+def engine_pids(llm) -> list[int]:
+    """The engine-core processes of one ``LLMEngine`` and their workers."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    pids = []
+    for proc in getattr(manager, "processes", []):
+        pids.append(proc.pid)
+        try:
+            pids += [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return pids
+
+
 class VllmRunner:
     """One vLLM ``LLMEngine`` and the thread that drives it, shared by the modes that map onto it."""
 
@@ -123,10 +141,10 @@ class VllmRunner:
 
         self.name = name
         self.engine_args = engine_args
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
-        #: the engine-core processes this engine started (where its weights and KV live)
-        self.pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        #: the engine-core processes this engine started (where its weights and KV live): read from the
+        #: engine's own process manager, not by diffing this process's children, since engines start together
+        self.pids = engine_pids(self.llm)
         cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
         self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
         #: how many requests vLLM's scheduler runs at once
