@@ -61,6 +61,8 @@ class ModeState:
     #: running J per generated token over this mode's completed requests (None until one has finished)
     j_per_token: float | None = None
     energy_requests: int = 0
+    #: the running batch it shares with other modes (see BuiltMode.batch); empty: its own
+    shared_batch: str = ""
 
     def record_failure(self, error: str) -> None:
         self.failures += 1
@@ -89,6 +91,10 @@ class ModeState:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def batch(self) -> str:
+        return self.shared_batch or self.spec.name
 
     @property
     def available(self) -> bool:
@@ -221,7 +227,7 @@ class ModeRegistry:
                 log.exception("mode %s could not be built", state.name)
                 state.status, state.reason = "unavailable", f"failed to start: {exc}"
             else:
-                state.engine, state.details = built.engine, dict(built.details)
+                state.engine, state.details, state.shared_batch = built.engine, dict(built.details), built.batch or ""
                 if built.cost is not None:
                     built.engine.attach_energy(self.energy, built.cost)
                 state.status, state.reason = "available", ""

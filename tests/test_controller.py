@@ -28,6 +28,7 @@ class Mode:
     """A resident mode as the controller reads it (``ModeView``), healthy by default."""
 
     name: str
+    batch: str = ""
     available: bool = True
     reason: str = ""
     in_flight: int = 0

@@ -41,6 +41,8 @@ class BuiltMode:
     details: dict[str, Any] = field(default_factory=dict)
     #: roofline cost of one of its steps, to split measured energy over requests; None: not metered
     cost: StepCost | None = None
+    #: the running batch it shares with other modes (its engine's name); None: it runs alone
+    batch: str | None = None
 
 
 class Backend(Protocol):

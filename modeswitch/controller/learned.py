@@ -23,6 +23,14 @@ the policy picks the cheapest mode that passed the gates. Exploration is bounded
 ``max_cost_ratio`` of the best is tried instead. Every completed request updates its mode's models, so a
 mode that is slow on this hardware is learned to be slow whatever a rule table would say.
 
+Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
+engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
+features already carry (what a mode's prefix cache holds). Until a mode has ``min_samples`` of its own
+observations it is predicted with the models of the sibling observed most, and a batch counts as tried once
+any of its modes is: from cold the policy explores each batch, not each mode (on the nine reference modes
+on vLLM, three engines instead of seven modes once the gate has removed GPTQ), and each exploration it
+skips is a request not sent to a mode slower than the best.
+
 Plain numpy least squares rather than river or scikit-learn: three 4-5 dimensional models per mode, an
 exact closed-form update, and predictions as Python dot products keep a decision in microseconds.
 """
@@ -177,6 +185,8 @@ class LearnedPolicy:
 
     def __post_init__(self) -> None:
         self.models = {m: ModeModel(self.forgetting) for m in self.modes}
+        #: per mode, the modes sharing its running batch (itself included); alone until :meth:`bind`
+        self.siblings: dict[str, tuple[str, ...]] = {m: (m,) for m in self.modes}
         self.decisions = 0
         self.chosen = {m: 0 for m in self.modes}
         self._since_save = 0
@@ -193,12 +203,29 @@ class LearnedPolicy:
                 "modes": list(self.modes), "objective": {"latency": self.w_latency, "energy": self.w_energy},
                 "explore": vars(self.explore), "decisions": self.decisions,
                 "observations": {m: model.n for m, model in self.models.items()},
+                "shared_batches": sorted({s for s in self.siblings.values() if len(s) > 1}),
                 "state": str(self.state_path) if self.state_path else None}
 
+    def bind(self, batches: Mapping[str, str]) -> None:
+        """Group the policy's modes by the running batch they share (modes the server does not name run alone)."""
+        groups: dict[str, list[str]] = {}
+        for m in self.modes:
+            groups.setdefault(batches.get(m) or m, []).append(m)
+        self.siblings = {m: tuple(group) for group in groups.values() for m in group}
+
     # ------------------------------------------------------------------ deciding
+    def model(self, mode: str) -> ModeModel:
+        """What predicts ``mode``: its own models once observed ``min_samples`` times, until then those of the
+        sibling (same running batch) observed most, if that one has been."""
+        own = self.models[mode]
+        if own.n >= self.explore.min_samples:
+            return own
+        best = max((self.models[s] for s in self.siblings[mode]), key=lambda m: m.n)
+        return best if best.n >= self.explore.min_samples else own
+
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
-        model = self.models[mode]
+        model = self.model(mode)
         cost = self.w_latency * model.latency(mode, f) if self.w_latency else 0.0
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
@@ -208,7 +235,8 @@ class LearnedPolicy:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)
             return Choice(None, f"no eligible mode: {skipped}", None)
         self.decisions += 1
-        tried = {m: max(self.models[m].n, self.chosen[m]) for m in eligible}  # chosen: counts requests in flight
+        # chosen: counts requests in flight; a batch is tried as often as its most tried mode
+        tried = {m: max(max(self.models[s].n, self.chosen[s]) for s in self.siblings[m]) for m in eligible}
         cold = [m for m in eligible if tried[m] < self.explore.min_samples]
         if cold:
             mode = min(cold, key=tried.__getitem__)
@@ -224,7 +252,7 @@ class LearnedPolicy:
             if near:
                 mode, rule = self._rng.choice(near), "explore"
         self.chosen[mode] += 1
-        latency, energy = self.models[mode].latency(mode, features), self.models[mode].energy_j(mode, features)
+        latency, energy = self.model(mode).latency(mode, features), self.model(mode).energy_j(mode, features)
         ranked = ", ".join(f"{m} {costs[m]:.3g}" for m in sorted(eligible, key=costs.__getitem__))
         what = "exploring" if rule == "explore" else "lowest predicted cost"
         reason = f"{what}: {mode} (predicted {latency:.3f} s, {energy:.3g} J; costs: {ranked})"

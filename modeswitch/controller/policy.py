@@ -90,6 +90,10 @@ class Policy(Protocol):
     def save(self) -> None:
         """Persist what the policy has learned (before a reload, at shutdown)."""
 
+    def bind(self, batches: Mapping[str, str]) -> None:
+        """Which resident modes share one running batch (mode -> its engine's name): modes that differ only
+        in per-request options there cost the same, which a learning policy need not learn twice."""
+
 
 def parse_common(sec: Section, source: str, known: set[str]) -> dict[str, Any]:
     """The fields every policy file has, as keyword arguments of either policy's constructor."""

@@ -151,6 +151,9 @@ class RulePolicy:
     def save(self) -> None:
         """Nothing learned, nothing to save."""
 
+    def bind(self, batches: Mapping[str, str]) -> None:
+        """A rule table names its modes itself: which share a batch changes nothing."""
+
 
 def _unique(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))

@@ -15,6 +15,10 @@ class ModeView(Protocol):
     def name(self) -> str: ...
 
     @property
+    def batch(self) -> str:
+        """The running batch it shares with other modes (its engine's name), or its own name."""
+
+    @property
     def available(self) -> bool:
         """Built and warmed up."""
 
