@@ -72,28 +72,34 @@ def test_learns_which_mode_is_fast_for_which_request_and_explores_only_near_the_
     assert "prefix_cache" not in picks and "fp16" in picks
 
 
-def test_modes_sharing_a_batch_are_explored_and_predicted_as_one():
-    policy = policy_from("type: learned\nmodes: [fp16, prefix_cache, int8, int8+prefix_cache]\n"
-                         "explore: {min_samples: 2, epsilon: 0.0}\n")
-    policy.bind({"fp16": "fp16", "prefix_cache": "fp16", "int8": "int8", "int8+prefix_cache": "int8"})
+def test_modes_sharing_a_batch_are_explored_and_learned_as_one(tmp_path):
+    text = "type: learned\nmodes: [fp16, prefix_cache, int8, int8+prefix_cache]\nexplore: {min_samples: 2, epsilon: 0.0}\n"
+    policy = policy_from(text + "state: state.json\n", name=str(tmp_path / "p.yaml"))
+    batches = {"fp16": "fp16", "prefix_cache": "fp16", "int8": "int8", "int8+prefix_cache": "int8"}
+    policy.bind(batches)
+    assert policy.describe()["shared_batches"] == [("fp16", "prefix_cache"), ("int8", "int8+prefix_cache")]
     f = feats(prompt_tokens=256, max_tokens=32, prefix_match_by_mode={"prefix_cache": 192, "int8+prefix_cache": 192})
     # cold: each batch twice (its first mode), not each mode
     assert [policy.choose(f, {}).mode for _ in range(4)] == ["fp16", "int8", "fp16", "int8"]
     for _ in range(3):
-        teach(policy, "fp16", f, 0.05, ttft=0.4)
-        teach(policy, "int8", f, 0.02, ttft=0.3)
-    assert policy.choose(f, {}).rule == "learned"
-    # a sibling never observed is predicted by the one that was, with its own prefix match
-    assert policy.model("int8+prefix_cache") is policy.models["int8"]
-    assert policy.cost("int8+prefix_cache", f) == pytest.approx(policy.models["int8"].latency("int8+prefix_cache", f))
-    assert policy.cost("int8+prefix_cache", f) != policy.cost("int8", f)
-    # fp16's sibling with the prefix in its cache: fp16's models, less to prefill
+        teach(policy, "fp16", f, 0.05, ttft=0.1 + 0.5 * 256 / 1000)
+        teach(policy, "int8", f, 0.02, ttft=0.1 + 0.5 * 256 / 1000)
+    # one model per batch, learned from all of its modes' requests
+    assert policy.models["int8+prefix_cache"] is policy.models["int8"] and policy.models["int8"].n == 3
+    # predicted with its own features: the prefix in its cache leaves less to prefill
+    assert policy.cost("int8+prefix_cache", f) < policy.cost("int8", f) < policy.cost("fp16", f)
+    assert policy.choose(f, {}).mode == "int8+prefix_cache"
     assert policy.choose(f, {"int8": "x", "int8+prefix_cache": "x"}).mode == "prefix_cache"
-    # observed min_samples times itself, a mode has its own models
-    for _ in range(2):
-        teach(policy, "int8+prefix_cache", f, 0.2)
-    assert policy.model("int8+prefix_cache") is policy.models["int8+prefix_cache"]
-    assert policy.choose(f, {}).mode == "int8"
+    # the queue in front of a mode is its whole batch's: in flight on int8 delays int8+prefix_cache too
+    busy = feats(prompt_tokens=256, max_tokens=32, in_flight_by_mode={"int8": 3})
+    model = policy.models["int8"]
+    assert model.latency("int8+prefix_cache", busy, ("int8", "int8+prefix_cache")) == \
+        pytest.approx(model.latency("int8", busy, ("int8", "int8+prefix_cache")))
+    # the state keeps the shared model, and a policy bound the same way reads it back
+    policy.save()
+    again = policy_from(text + "state: state.json\n", name=str(tmp_path / "p.yaml"))
+    again.bind(batches)
+    assert again.models["int8+prefix_cache"].n == 3 and again.models["int8"] is again.models["int8+prefix_cache"]
     # unbound (or alone in its batch), every mode is explored by itself
     alone = policy_from("type: learned\nmodes: [fp16, prefix_cache]\nexplore: {min_samples: 1, epsilon: 0}\n")
     assert [alone.choose(f, {}).mode for _ in range(2)] == ["fp16", "prefix_cache"]

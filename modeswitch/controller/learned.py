@@ -14,7 +14,7 @@ energy: {...}
 memory: {...}
 ```
 
-Each mode has three recursive-least-squares models over a handful of features: time to first token from the
+Each mode (each running batch, below) has three recursive-least-squares models over a handful of features: time to first token from the
 tokens it must prefill (the prompt minus what its prefix cache holds; linear and quadratic) and the queue
 in front of it; time per output token from the context length and the queue; request energy from the same
 prefill terms and the output length. A request costs ``ttft + (max_tokens - 1) x tpot`` (and/or energy);
@@ -25,11 +25,11 @@ mode that is slow on this hardware is learned to be slow whatever a rule table w
 
 Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
 engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
-features already carry (what a mode's prefix cache holds). Until a mode has ``min_samples`` of its own
-observations it is predicted with the models of the sibling observed most, and a batch counts as tried once
-any of its modes is: from cold the policy explores each batch, not each mode (on the nine reference modes
-on vLLM, three engines instead of seven modes once the gate has removed GPTQ), and each exploration it
-skips is a request not sent to a mode slower than the best.
+features already carry (what a mode's prefix cache holds), so they share one set of models, learned from
+all their requests, with the batch's requests in flight as the queue in front of each. From cold the policy
+explores each batch, not each mode (on the nine reference modes on vLLM, three engines instead of seven
+modes once the gate has removed GPTQ), and each exploration it skips is a request not sent to a mode slower
+than the best.
 
 Plain numpy least squares rather than river or scikit-learn: three 4-5 dimensional models per mode, an
 exact closed-form update, and predictions as Python dot products keep a decision in microseconds.
@@ -95,13 +95,18 @@ def _prefill_tokens(mode: str, f: Features) -> float:
     return (f.prompt_tokens - f.prefix_match_by_mode.get(mode, 0)) / 1000.0
 
 
-def ttft_x(mode: str, f: Features) -> list[float]:
+def _queue(f: Features, batch: tuple[str, ...]) -> int:
+    """Requests in flight in the running batch a mode shares (``batch``: its modes)."""
+    return sum(f.in_flight_by_mode.get(m, 0) for m in batch)
+
+
+def ttft_x(mode: str, f: Features, batch: tuple[str, ...] = ()) -> list[float]:
     u = _prefill_tokens(mode, f)
-    return [1.0, u, u * u, float(f.in_flight_by_mode.get(mode, 0)), float(f.queue_depth)]
+    return [1.0, u, u * u, float(_queue(f, batch or (mode,))), float(f.queue_depth)]
 
 
-def tpot_x(mode: str, f: Features) -> list[float]:
-    return [1.0, f.prompt_tokens / 1000.0, float(f.in_flight_by_mode.get(mode, 0)), float(f.queue_depth)]
+def tpot_x(mode: str, f: Features, batch: tuple[str, ...] = ()) -> list[float]:
+    return [1.0, f.prompt_tokens / 1000.0, float(_queue(f, batch or (mode,))), float(f.queue_depth)]
 
 
 def energy_x(mode: str, f: Features) -> list[float]:
@@ -111,7 +116,8 @@ def energy_x(mode: str, f: Features) -> list[float]:
 
 @dataclass
 class ModeModel:
-    """What the policy has learned about one mode."""
+    """What the policy has learned about one mode, or about the modes sharing one running batch. ``batch``
+    arguments name those modes (empty: ``mode`` alone): their requests in flight are the queue in front."""
 
     forgetting: float
     n: int = 0
@@ -124,14 +130,14 @@ class ModeModel:
         self.tpot = OnlineLinear(4, self.forgetting)
         self.energy = OnlineLinear(5, self.forgetting)
 
-    def latency(self, mode: str, f: Features) -> float:
+    def latency(self, mode: str, f: Features, batch: tuple[str, ...] = ()) -> float:
         """Seconds predicted for a request with features ``f``: first token, then ``max_tokens - 1`` more.
 
         The dot products with :func:`ttft_x` and :func:`tpot_x` written out: this runs for every mode on
         every request, and building the feature lists would take most of the decision's time (a test keeps
         the two forms equal)."""
         u = _prefill_tokens(mode, f)
-        q, d = f.in_flight_by_mode.get(mode, 0), f.queue_depth
+        q, d = _queue(f, batch or (mode,)), f.queue_depth
         a, b = self.ttft._w, self.tpot._w
         ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
         tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
@@ -140,10 +146,11 @@ class ModeModel:
     def energy_j(self, mode: str, f: Features) -> float:
         return max(self.energy.predict(energy_x(mode, f)), 0.0)
 
-    def update(self, mode: str, f: Features, ttft_s: float, tpot_s: float | None, energy_j: float | None) -> None:
-        self.ttft.update(ttft_x(mode, f), ttft_s)
+    def update(self, mode: str, f: Features, ttft_s: float, tpot_s: float | None, energy_j: float | None,
+               batch: tuple[str, ...] = ()) -> None:
+        self.ttft.update(ttft_x(mode, f, batch), ttft_s)
         if tpot_s is not None:
-            self.tpot.update(tpot_x(mode, f), tpot_s)
+            self.tpot.update(tpot_x(mode, f, batch), tpot_s)
         if energy_j is not None:
             self.energy.update(energy_x(mode, f), energy_j)
         self.n += 1
@@ -184,14 +191,22 @@ class LearnedPolicy:
     models: dict[str, ModeModel] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.models = {m: ModeModel(self.forgetting) for m in self.modes}
-        #: per mode, the modes sharing its running batch (itself included); alone until :meth:`bind`
-        self.siblings: dict[str, tuple[str, ...]] = {m: (m,) for m in self.modes}
         self.decisions = 0
         self.chosen = {m: 0 for m in self.modes}
         self._since_save = 0
         self._lock = threading.Lock()
         self._rng = random.Random(self.explore.seed)
+        self._group({})
+
+    def _group(self, batches: Mapping[str, str]) -> None:
+        """One model per running batch, shared by its modes, filled from the state file or the warm start."""
+        groups: dict[str, list[str]] = {}
+        for m in self.modes:
+            groups.setdefault(batches.get(m) or m, []).append(m)
+        #: per mode, the modes sharing its running batch (itself included)
+        self.siblings: dict[str, tuple[str, ...]] = {m: tuple(group) for group in groups.values() for m in group}
+        shared = {group[0]: ModeModel(self.forgetting) for group in groups.values()}
+        self.models = {m: shared[self.siblings[m][0]] for m in self.modes}
         if self.state_path is not None and self.state_path.is_file():
             self.load_state(self.state_path)
         elif self.warm_start_path is not None:
@@ -207,26 +222,15 @@ class LearnedPolicy:
                 "state": str(self.state_path) if self.state_path else None}
 
     def bind(self, batches: Mapping[str, str]) -> None:
-        """Group the policy's modes by the running batch they share (modes the server does not name run alone)."""
-        groups: dict[str, list[str]] = {}
-        for m in self.modes:
-            groups.setdefault(batches.get(m) or m, []).append(m)
-        self.siblings = {m: tuple(group) for group in groups.values() for m in group}
+        """Share one model among the modes of each running batch (modes the server does not name run alone).
+        Called by the controller before the policy decides anything; what was restored is read again."""
+        self._group(batches)
 
     # ------------------------------------------------------------------ deciding
-    def model(self, mode: str) -> ModeModel:
-        """What predicts ``mode``: its own models once observed ``min_samples`` times, until then those of the
-        sibling (same running batch) observed most, if that one has been."""
-        own = self.models[mode]
-        if own.n >= self.explore.min_samples:
-            return own
-        best = max((self.models[s] for s in self.siblings[mode]), key=lambda m: m.n)
-        return best if best.n >= self.explore.min_samples else own
-
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
-        model = self.model(mode)
-        cost = self.w_latency * model.latency(mode, f) if self.w_latency else 0.0
+        model = self.models[mode]
+        cost = self.w_latency * model.latency(mode, f, self.siblings[mode]) if self.w_latency else 0.0
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
     def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
@@ -235,8 +239,8 @@ class LearnedPolicy:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)
             return Choice(None, f"no eligible mode: {skipped}", None)
         self.decisions += 1
-        # chosen: counts requests in flight; a batch is tried as often as its most tried mode
-        tried = {m: max(max(self.models[s].n, self.chosen[s]) for s in self.siblings[m]) for m in eligible}
+        # a batch has been tried as often as it was observed, or chosen (counting requests in flight)
+        tried = {m: max(self.models[m].n, sum(self.chosen[s] for s in self.siblings[m])) for m in eligible}
         cold = [m for m in eligible if tried[m] < self.explore.min_samples]
         if cold:
             mode = min(cold, key=tried.__getitem__)
@@ -252,7 +256,8 @@ class LearnedPolicy:
             if near:
                 mode, rule = self._rng.choice(near), "explore"
         self.chosen[mode] += 1
-        latency, energy = self.model(mode).latency(mode, features), self.model(mode).energy_j(mode, features)
+        model = self.models[mode]
+        latency, energy = model.latency(mode, features, self.siblings[mode]), model.energy_j(mode, features)
         ranked = ", ".join(f"{m} {costs[m]:.3g}" for m in sorted(eligible, key=costs.__getitem__))
         what = "exploring" if rule == "explore" else "lowest predicted cost"
         reason = f"{what}: {mode} (predicted {latency:.3f} s, {energy:.3g} J; costs: {ranked})"
@@ -273,7 +278,7 @@ class LearnedPolicy:
         if model is None or c.outcome != "ok" or c.scoring or c.retried or c.ttft_s is None:
             return
         with self._lock:
-            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j)
+            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j, self.siblings[c.mode])
             self._since_save += 1
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
@@ -285,7 +290,8 @@ class LearnedPolicy:
         for r in records:
             if r.get("mode") in self.models and r.get("ok") and r.get("features"):
                 f = features_from(r["features"])
-                self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"))
+                self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"),
+                                              self.siblings[r["mode"]])
                 used += 1
         log.info("learned policy %s: warm start from %d records of %s", self.name, used, path)
         return used
@@ -307,7 +313,8 @@ class LearnedPolicy:
     def load_state(self, path: Path) -> None:
         data = json.loads(Path(path).read_text())
         for mode, saved in data.get("modes", {}).items():
-            if mode in self.models:
+            # modes sharing a batch share a model: the one saved with the most observations fills it
+            if mode in self.models and int(saved["n"]) >= self.models[mode].n:
                 self.models[mode].load(saved)
         self.decisions = int(data.get("decisions", 0))
         log.info("learned policy %s: state restored from %s", self.name, path)
