@@ -98,6 +98,7 @@ def test_modes_sharing_a_batch_are_explored_and_learned_as_one(tmp_path):
     # the state keeps the shared model, and a policy bound the same way reads it back
     policy.save()
     again = policy_from(text + "state: state.json\n", name=str(tmp_path / "p.yaml"))
+    (tmp_path / "state.json").unlink()  # read once, when built: binding regroups and refills from memory
     again.bind(batches)
     assert again.models["int8+prefix_cache"].n == 3 and again.models["int8"] is again.models["int8+prefix_cache"]
     # unbound (or alone in its batch), every mode is explored by itself

@@ -196,7 +196,19 @@ class LearnedPolicy:
         self._since_save = 0
         self._lock = threading.Lock()
         self._rng = random.Random(self.explore.seed)
+        self._saved = self._read_saved()
         self._group({})
+
+    def _read_saved(self) -> tuple[str, Any] | None:
+        """What the models start from, read once: the state file if there is one, else the warm start's
+        records. Kept in memory because binding regroups the models and fills them again."""
+        if self.state_path is not None and self.state_path.is_file():
+            log.info("learned policy %s: state restored from %s", self.name, self.state_path)
+            return "state", json.loads(self.state_path.read_text())
+        if self.warm_start_path is not None:
+            log.info("learned policy %s: warm start from %s", self.name, self.warm_start_path)
+            return "warm_start", json.loads(self.warm_start_path.read_text())["records"]
+        return None
 
     def _group(self, batches: Mapping[str, str]) -> None:
         """One model per running batch, shared by its modes, filled from the state file or the warm start."""
@@ -207,10 +219,9 @@ class LearnedPolicy:
         self.siblings: dict[str, tuple[str, ...]] = {m: tuple(group) for group in groups.values() for m in group}
         shared = {group[0]: ModeModel(self.forgetting) for group in groups.values()}
         self.models = {m: shared[self.siblings[m][0]] for m in self.modes}
-        if self.state_path is not None and self.state_path.is_file():
-            self.load_state(self.state_path)
-        elif self.warm_start_path is not None:
-            self.warm_start(self.warm_start_path)
+        if self._saved is not None:
+            kind, data = self._saved
+            self._load_state(data) if kind == "state" else self._replay(data)
 
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
@@ -223,7 +234,7 @@ class LearnedPolicy:
 
     def bind(self, batches: Mapping[str, str]) -> None:
         """Share one model among the modes of each running batch (modes the server does not name run alone).
-        Called by the controller before the policy decides anything; what was restored is read again."""
+        Called by the controller before the policy decides anything; what was restored fills the new models."""
         self._group(batches)
 
     # ------------------------------------------------------------------ deciding
@@ -283,9 +294,8 @@ class LearnedPolicy:
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
 
-    def warm_start(self, path: Path) -> int:
-        """Replay a benchmark run's per-request records (``benchmarks/run.py`` JSON); returns how many."""
-        records = json.loads(Path(path).read_text())["records"]
+    def _replay(self, records: list[dict]) -> None:
+        """Replay a benchmark run's per-request records (``benchmarks/run.py`` JSON's ``records``)."""
         used = 0
         for r in records:
             if r.get("mode") in self.models and r.get("ok") and r.get("features"):
@@ -293,8 +303,7 @@ class LearnedPolicy:
                 self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"),
                                               self.siblings[r["mode"]])
                 used += 1
-        log.info("learned policy %s: warm start from %d records of %s", self.name, used, path)
-        return used
+        log.debug("learned policy %s: %d warm-start records replayed", self.name, used)
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
@@ -310,14 +319,12 @@ class LearnedPolicy:
         os.replace(tmp, self.state_path)
         self._since_save = 0
 
-    def load_state(self, path: Path) -> None:
-        data = json.loads(Path(path).read_text())
+    def _load_state(self, data: dict) -> None:
         for mode, saved in data.get("modes", {}).items():
             # modes sharing a batch share a model: the one saved with the most observations fills it
             if mode in self.models and int(saved["n"]) >= self.models[mode].n:
                 self.models[mode].load(saved)
         self.decisions = int(data.get("decisions", 0))
-        log.info("learned policy %s: state restored from %s", self.name, path)
 
 
 def features_from(d: Mapping[str, Any]) -> Features:
