@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -87,6 +88,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         load=load, http=http)
 
 
+def claim_port(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the models load; it listens once they have. A port in use fails at once
+    instead of after minutes of loading, and nothing the start-up runs can take the port meanwhile: vLLM's
+    engines open ports of their own, and a benchmark's server once lost its port to one, 150 s into its start."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress does: a restart reuses the port
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv: list[str] | None = None, backend=None) -> int:
     """Serve until SIGTERM (drained) or Ctrl-C. ``backend``: the engine family to use instead of the one
     ``--engine`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
@@ -94,8 +111,14 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
+        listener = claim_port(args.host, args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
         assembled = build_app(config_from_args(args), backend=backend)
     except (WeightsNotFound, ConfigError, MemoryBudgetExceeded) as exc:
+        listener.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from waitress import create_server
@@ -126,7 +149,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     signal.signal(signal.SIGHUP, on_sighup)
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGUSR1, on_sigusr1)
-    server = create_server(assembled.app, host=http.host, port=http.port, threads=http.threads, channel_timeout=600)
+    server = create_server(assembled.app, sockets=[listener], threads=http.threads, channel_timeout=600)
     available = ", ".join(m.name for m in service.registry.available())
     log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
              time.perf_counter() - started, service.model_name, available, http.host, server.effective_port)

