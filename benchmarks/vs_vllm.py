@@ -4,10 +4,12 @@ Each server is started alone (nothing else running), then ``vllm bench serve`` s
 it: ``random`` (256 -> 32 tokens) and ``prefix_repetition`` (2 prefixes of 256 tokens + 32-token suffixes ->
 32 tokens), 16 prompts at 4 concurrent clients, greedy, ignore-eos. The table gives output tokens/s and
 median TTFT per server and workload, with each one's ratio to vLLM's server from the same run; JSON with the
-client's full results lands in benchmarks/results/.
+client's full results lands in benchmarks/results/. ``--repeats N`` sends each workload N times to the same
+server, each time with other prompts (seed 0..N-1: nothing is in the prefix cache from the time before), and
+reports the median and the range: one run of 16 short prompts moves by 5-10 %.
 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
-                                           [--vllm "label=ENV=VALUE ..." ...]
+                                           [--vllm "label=ENV=VALUE ..." ...] [--repeats N]
 
 Defaults compare vLLM's server (as it starts by default; the first ``--vllm`` row is the reference of every
 ratio, further rows start it with other environment settings) with ``make serve``'s default (every reference
@@ -22,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.bench.report import processor  # noqa: E402
 from modeswitch.launcher import ROOT, free_port, start_server  # noqa: E402
 
 CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
@@ -81,11 +85,11 @@ def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, st
     raise RuntimeError(f"vLLM's server not ready in 900 s; see {log.name}")
 
 
-def bench(url: str, name: str, tokenizer: str, workload: str, out: Path) -> dict:
-    """One ``vllm bench serve`` run; the client's own result JSON."""
+def bench(url: str, name: str, tokenizer: str, workload: str, out: Path, seed: int = 0) -> dict:
+    """One ``vllm bench serve`` run (``seed`` picks the prompts); the client's own result JSON."""
     cmd = [sys.executable, CLI, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
            "/v1/completions", "--model", name, "--tokenizer", tokenizer, *WORKLOADS[workload], "--num-prompts", "16",
-           "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0", "--save-result",
+           "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -100,6 +104,7 @@ def main() -> int:
     ap.add_argument("--vllm", action="append", default=None,
                     help="'label=ENV=VALUE ...' for one vLLM server (repeatable; default: one, as it starts by default)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--repeats", type=int, default=1, help="runs per workload and server, other prompts each (median)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -123,36 +128,43 @@ def main() -> int:
                 start_s = time.perf_counter() - t0
             try:
                 for workload in workloads:
-                    result = bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}.json")
+                    results = [bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}-{seed}.json", seed)
+                               for seed in range(args.repeats)]
+                    tok_s = [r["output_throughput"] for r in results]
                     runs.append({"server": label, "flags": flags, "env": env, "workload": workload,
-                                 "start_s": round(start_s, 1),
-                                 "output_tok_s": result["output_throughput"], "ttft_p50_ms": result["median_ttft_ms"],
-                                 "tpot_p50_ms": result["median_tpot_ms"], "completed": result["completed"],
-                                 "client": result})
-                    print(f"  {workload}: {result['output_throughput']:.1f} out tok/s, TTFT p50 "
-                          f"{result['median_ttft_ms']:.0f} ms", flush=True)
+                                 "start_s": round(start_s, 1), "output_tok_s": statistics.median(tok_s),
+                                 "output_tok_s_range": [min(tok_s), max(tok_s)],
+                                 "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in results),
+                                 "tpot_p50_ms": statistics.median(r["median_tpot_ms"] for r in results),
+                                 "completed": sum(r["completed"] for r in results), "client": results})
+                    print(f"  {workload}: {runs[-1]['output_tok_s']:.1f} out tok/s ({', '.join(f'{t:.1f}' for t in tok_s)}),"
+                          f" TTFT p50 {runs[-1]['ttft_p50_ms']:.0f} ms", flush=True)
             finally:
                 stop(proc)
     ref = {}
     for r in runs:  # the first vLLM server is the reference
         if r["flags"] is None:
             ref.setdefault(r["workload"], r)
-    lines = ["| server | workload | out tok/s | vs vLLM | TTFT p50 ms | vs vLLM | start s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| server | workload | out tok/s | range | vs vLLM | TTFT p50 ms | vs vLLM | TPOT p50 ms | start s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         base = ref[r["workload"]]
         r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
         r["ttft_ratio"] = round(r["ttft_p50_ms"] / base["ttft_p50_ms"], 3)
-        lines.append(f"| {r['server']} | {r['workload']} | {r['output_tok_s']:.1f} | {r['tok_s_ratio']:.2f}x | "
-                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f}x | {r['start_s']:.0f} |")
+        low, high = r["output_tok_s_range"]
+        lines.append(f"| {r['server']} | {r['workload']} | {r['output_tok_s']:.1f} | {low:.1f}-{high:.1f} | "
+                     f"{r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f}x | "
+                     f"{r['tpot_p50_ms']:.1f} | {r['start_s']:.0f} |")
     table = "\n".join(lines)
     print(table)
     stem = f"{date.today()}_vs_vllm_{Path(args.model).name}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
-    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {platform.machine()}, "
-                                    f"{os.cpu_count()} cores)\n\nvLLM's benchmark client: 16 prompts, 4 concurrent, "
-                                    f"greedy, ignore-eos.\n\n{table}\n")
+    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": processor(), "runs": runs}, indent=1))
+    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {processor()})"
+                                    f"\n\nvLLM's benchmark client: 16 prompts, 4 concurrent, "
+                                    f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each, "
+                                    f"median (range: out tok/s of each run).\n\n{table}\n")
     print(f"wrote {out / stem}.json/.md")
     return 0
 

