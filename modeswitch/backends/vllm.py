@@ -13,7 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import LoadConfig
-from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
+from ..engines.vllm import (VllmEngine, VllmRunner, engine_args, has_cpu_kernel, has_onednn_bf16_matmul,
+                             quiet_environment)
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset, cache_dir, local_or_hub
 from ..modes import ModeSpec
@@ -23,6 +24,9 @@ from .checkpoint import Checkpoint
 
 #: the vLLM CPU op a GPTQ engine runs its matmuls with
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
+#: what the int8 variant is on vLLM's CPU engine: vLLM 0.32's int8_per_channel_weight_only is INT8 for MoE
+#: experts only, so a dense model's linears stay unquantized, in the engine's bf16
+INT8_CPU_NOTE = "bf16, not INT8: vLLM's int8_per_channel_weight_only quantizes MoE experts only, not dense linears"
 
 
 class VllmBackend:
@@ -57,8 +61,9 @@ class VllmBackend:
 
     def _source(self, spec: ModeSpec) -> tuple[str, str | None]:
         """The checkpoint a mode's engine loads and the quantization vLLM applies to it: fp16 (in the
-        reference dtype), the GPTQ checkpoint, and INT8 as ``int8_per_channel_weight_only`` on CPU (quantized
-        at load) or the preset's w8a8 compressed-tensors checkpoint on GPU."""
+        reference dtype), the GPTQ checkpoint, and INT8 as the preset's w8a8 compressed-tensors checkpoint on
+        GPU. On CPU the int8 variant is ``int8_per_channel_weight_only``, which leaves a dense model's linears
+        in bf16 (:data:`INT8_CPU_NOTE`): fast where the CPU has native bf16, refused where it has not."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
         if spec.weights == "gptq":
             if self.checkpoint.device.type == "cpu" and not has_cpu_kernel(GPTQ_CPU_KERNEL):
@@ -67,6 +72,9 @@ class VllmBackend:
             return weights.ref("gptq"), None
         if spec.weights == "int8":
             if self.checkpoint.device.type == "cpu":
+                if not has_onednn_bf16_matmul():
+                    raise VariantUnavailable(INT8_CPU_NOTE + "; this CPU has no oneDNN bf16 matmul (no native bf16), "
+                                             "so they would run emulated, 4-5x slower than the fp16 mode's fp32")
                 return weights.ref("fp16"), "int8_per_channel_weight_only"
             if not preset.int8_vllm:
                 raise VariantUnavailable(f"model {preset.name} has no w8a8 checkpoint for vLLM on a GPU")
@@ -132,6 +140,8 @@ class VllmBackend:
                 raise RuntimeError(self._failed[key]) from exc
             self._runners[key], self._modes[key] = runner, plan.users[key]
         details: dict[str, Any] = {"vllm_engine": key}
+        if runner.engine_args.get("quantization") == "int8_per_channel_weight_only":
+            details["linear_weights"] = INT8_CPU_NOTE
         if spec.speculative is not None:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")

@@ -55,6 +55,21 @@ def has_cpu_kernel(op: str) -> bool:
     return hasattr(torch.ops._C, op)
 
 
+def has_onednn_bf16_matmul() -> bool:
+    """Whether vLLM's oneDNN builds a bf16 matmul on this CPU, probed as vLLM itself does for every linear
+    layer. Without one (AVX2: no native bf16) vLLM falls back to torch's bf16 linear, which the CPU emulates."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    if not has_cpu_kernel("create_onednn_mm_handler"):
+        return False
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16).t(), 32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def quiet_environment(cache_root: str) -> None:
     """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
     hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
