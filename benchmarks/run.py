@@ -183,15 +183,16 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = f"{stamp}_controller_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"
     pngs = report.plots(out, stem, runs, "learned", best)
+    machine = report.processor()
     result = {"date": datetime.now(timezone.utc).isoformat(), "model": args.model, "scale": args.scale,
               "requests": args.requests, "learned_passes": args.learned_passes, "concurrency": args.concurrency,
               "shapes": [vars(s) for s in bench.shapes], "machine": platform.platform(),
-              "processor": report.processor(),
+              "processor": machine,
               "server_args": server_args, "startup_s": startup_s, "gate_report": str(gate_path) if gate_path.is_file() else None,
               "quality_verdicts": verdicts, "allowed_for_oracle": allowed, "targets": targets,
               "learned_state": admin, "rows": rows, "sweep": sweep, "records": runs}
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
-    md = [f"# Controller vs static modes vs oracle — {args.model}, {report.processor()}, {stamp}", "",
+    md = [f"# Controller vs static modes vs oracle — {args.model}, {machine}, {stamp}", "",
           f"Mixed trace of {args.requests} requests over the six reference workloads at scale {args.scale} "
           f"({', '.join(f'{s.name} {s.prompt_tokens}->{s.max_tokens}' for s in bench.shapes)}), "
           f"closed loop, concurrency {args.concurrency}. The learned policy ran the trace {args.learned_passes} "

@@ -160,8 +160,9 @@ def main() -> int:
     stem = f"{date.today()}_vs_vllm_{Path(args.model).name}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": processor(), "runs": runs}, indent=1))
-    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {processor()})"
+    machine = processor()
+    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": machine, "runs": runs}, indent=1))
+    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
                                     f"\n\nvLLM's benchmark client: 16 prompts, 4 concurrent, "
                                     f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each, "
                                     f"median (range: out tok/s of each run).\n\n{table}\n")

@@ -149,7 +149,6 @@ class ModeModel:
     arguments name those modes (empty: ``mode`` alone): their requests in flight are the queue in front."""
 
     forgetting: float
-    n: int = 0
     ttft: OnlineLinear = field(init=False)
     tpot: OnlineLinear = field(init=False)
     energy: OnlineLinear = field(init=False)
@@ -160,6 +159,11 @@ class ModeModel:
         self.ttft = OnlineLinear(5, self.forgetting, head=2)
         self.tpot = OnlineLinear(4, self.forgetting, head=1)
         self.energy = OnlineLinear(5, self.forgetting, head=2)
+
+    @property
+    def n(self) -> int:
+        """Requests observed: every one updates the first-token model."""
+        return self.ttft.n
 
     def latency(self, mode: str, f: Features, batch: tuple[str, ...] = ()) -> float:
         """Seconds predicted for a request with features ``f``: first token, then ``max_tokens - 1`` more.
@@ -184,13 +188,11 @@ class ModeModel:
             self.tpot.update(tpot_x(mode, f, batch), tpot_s)
         if energy_j is not None:
             self.energy.update(energy_x(mode, f), energy_j)
-        self.n += 1
 
     def to_dict(self) -> dict:
-        return {"n": self.n, "ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict(), "energy": self.energy.to_dict()}
+        return {"ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict(), "energy": self.energy.to_dict()}
 
     def load(self, data: dict) -> None:
-        self.n = int(data["n"])
         for name in ("ttft", "tpot", "energy"):
             getattr(self, name).load(data[name])
 
@@ -357,7 +359,7 @@ class LearnedPolicy:
     def _load_state(self, data: dict) -> None:
         for mode, saved in data.get("modes", {}).items():
             # modes sharing a batch share a model: the one saved with the most observations fills it
-            if mode in self.models and int(saved["n"]) >= self.models[mode].n:
+            if mode in self.models and int(saved["ttft"]["n"]) >= self.models[mode].n:
                 self.models[mode].load(saved)
         self.decisions = int(data.get("decisions", 0))
 

