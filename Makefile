@@ -9,8 +9,10 @@ setup:
 serve: setup
 	$(PY) serve.py $(ARGS)
 
-# Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min once) to keep CI fast.
+# Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min once) and skip compiling the default
+# engines (the tests run vLLM eager) to keep CI fast.
 test: export MODESWITCH_GPTQ_SAMPLES ?= 16
+test: export MODESWITCH_WARM_ENGINES ?= 0
 test: setup
 	$(PY) -m pytest -q tests
 

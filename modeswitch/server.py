@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt + output served (caps the model's context; sizes KV reservations)")
     p.add_argument("--decode", default="auto", choices=DECODE_PATHS,
                    help="compiled: every one-at-a-time mode on the owned static-cache loop, compiled (CUDA graphs "
-                        "on a GPU), and CUDA graphs for continuous batching; eager: generate(); auto: compiled on GPUs")
+                        "on a GPU), and CUDA graphs for continuous batching; on vLLM engines, vLLM's compiled model; "
+                        "eager: generate() / vLLM's eager model; auto: compiled on GPUs and on vLLM engines (vLLM's "
+                        "own default), eager on the transformers engine on a CPU")
+    p.add_argument("--exit-when-ready", action="store_true",
+                   help="load every mode, then exit 0 instead of serving: fills the compile caches, so that the "
+                        "next start loads compiled kernels (make setup runs it)")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
     p.add_argument("--gate-report", default=None,
                    help="quality gate report the router enforces (default: the shipped evals/reports/<model>-<engine>.json "
@@ -121,6 +126,11 @@ def main(argv: list[str] | None = None, backend=None) -> int:
         listener.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.exit_when_ready:
+        log.info("ready in %.1f s; exiting (--exit-when-ready)", time.perf_counter() - started)
+        listener.close()
+        assembled.close()
+        return 0
     from waitress import create_server
 
     http, service, admission = assembled.config.http, assembled.service, assembled.admission

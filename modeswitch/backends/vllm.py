@@ -34,6 +34,11 @@ class VllmBackend:
 
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
         self.checkpoint = Checkpoint(preset, load)
+        #: vLLM's own default, on a CPU too: its engines compile the model (Inductor; CUDA graphs on a GPU)
+        #: unless ``--decode eager``. On the 2-core AVX2 demo machine eager engines served 0.87x / 0.72x of
+        #: vLLM's compiled server's output tok/s, compiled ones 0.92x / 0.81x (TPOT p50 128 / 102 ms against
+        #: 94), ready in 100 s with Inductor's cache warm (``make setup`` warms it) against 55-69 s eager
+        self.compiled = load.decode != "eager"
         self.device = str(self.checkpoint.device)
         self._specs: dict[str, ModeSpec] = {}
         self._runners: dict[str, VllmRunner] = {}
@@ -98,7 +103,7 @@ class VllmBackend:
             model=model, tokenizer=checkpoint.weights.ref("fp16"), quantization=quantization,
             dtype="bfloat16" if low_precision else str(checkpoint.dtype).removeprefix("torch."),
             max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
-            enforce_eager=not self.checkpoint.compiled_decode, speculative_config=speculative)
+            enforce_eager=not self.compiled, speculative_config=speculative)
 
     def _start_engines(self, plan: MemoryPlan, progress: Progress) -> None:
         """Start every planned engine at once, each on its own thread: most of an engine's start is its
@@ -139,7 +144,7 @@ class VllmBackend:
                 self._failed[key] = f"vLLM engine {key} failed to start: {exc}"
                 raise RuntimeError(self._failed[key]) from exc
             self._runners[key], self._modes[key] = runner, plan.users[key]
-        details: dict[str, Any] = {"vllm_engine": key}
+        details: dict[str, Any] = {"vllm_engine": key, "decode": "compiled" if self.compiled else "eager"}
         if runner.engine_args.get("quantization") == "int8_per_channel_weight_only":
             details["linear_weights"] = INT8_CPU_NOTE
         if spec.speculative is not None:
