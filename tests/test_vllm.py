@@ -4,6 +4,7 @@ resident at once; outputs against the transformers engine; prefix hits; speculat
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import requests
@@ -130,6 +131,32 @@ def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
     assert matched >= 2 * block and matched % block == 0
     assert features["prefix_match_by_mode"]["prefix_cache"] == matched
     assert "fp16" not in features["prefix_match_by_mode"]  # it skips reading the prefix cache
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
+
+
+def test_a_prefix_counts_while_the_request_that_computed_it_still_runs(vllm_server):
+    """vLLM reuses a prompt's blocks as soon as it has scheduled them; the feature must know that too, or
+    requests arriving behind a long one with the same prefix are routed as if nothing were cached."""
+    block = modes(vllm_server)["vllm_engines"]["fp16"]["block_size"]
+    prefix = "Preface. " + LONG
+    started, finished = threading.Event(), []
+
+    def long_request():
+        with requests.post(vllm_server + "/v1/completions", stream=True, timeout=300, json={
+                "model": "demo", "prompt": prefix + " Item 40: the", "max_tokens": 200, "temperature": 0,
+                "mode": "prefix_cache", "stream": True}) as resp:
+            for _ in resp.iter_lines(delimiter=b"\n\n"):
+                started.set()  # its first token: the prompt is prefilled
+        finished.append(time.monotonic())
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    assert started.wait(120)
+    body = complete(vllm_server, prefix + " Stop.", "prefix_cache", max_tokens=4)
+    answered = time.monotonic()
+    runner.join(300)
+    matched = body["modeswitch"]["features"]["prefix_match_tokens"]
+    assert finished[0] > answered and matched >= 2 * block  # known while the first request still ran
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
 
 

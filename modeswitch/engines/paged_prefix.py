@@ -6,10 +6,12 @@ feature), so the engine's front records the token sequences the engine has compu
 from this record: the approximate prefix cache that routers in front of vLLM keep (llm-d's, Ray Serve's
 prefix-cache affinity router).
 
-It follows vLLM's rules for what is reusable: only whole blocks (a block is cached once it is full), never
-the prompt's last token (its logits must be computed), sequences sharing their common blocks, and a
-bounded number of blocks with the least recently used sequences evicted first. Where it errs, it errs
-low: a request the engine aborts is not recorded, and eviction drops whole sequences, not single blocks.
+It follows vLLM's rules for what is reusable: only whole blocks (a block is cached once it is full and
+scheduled), never the prompt's last token (its logits must be computed), sequences sharing their common
+blocks, and a bounded number of blocks with the least recently used sequences evicted first. Its errors
+cost little: eviction drops whole sequences, not single blocks (low), and a prompt recorded when its
+request is added counts before vLLM has scheduled it (high, for at most a step; the request that relies on
+it is scheduled after it, and a mode that reads the cache on vLLM costs nothing when nothing is there).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class PagedPrefixShadow:
         self._lock = threading.Lock()
 
     def record(self, computed_ids: list[int]) -> None:
-        """The engine has computed KV for ``computed_ids``: its full blocks are now in the cache."""
+        """The engine has computed (or scheduled) KV for ``computed_ids``: its full blocks are in the cache."""
         full = len(computed_ids) // self.block_size * self.block_size
         if full:
             with self._lock:

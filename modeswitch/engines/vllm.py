@@ -225,6 +225,10 @@ class VllmRunner:
                 del self._live[req.id]
                 req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
                 return
+        # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
+        # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, a
+        # prompt's prefix counts for the requests that arrive while it is still being served
+        self.prefix.record(list(req.prompt_ids))
         self._wake.set()
 
     def running(self) -> list[_Live]:
