@@ -11,11 +11,12 @@ runner through their own :class:`VllmEngine` front (own queue bound, own statist
 
 Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memory plan). A request is
 added to its engine on the thread that submits it; the runner's own thread steps the engine, routes each
-step's new tokens to their requests and aborts cancelled ones. Its KV lives in vLLM's engine-core process, so the runner keeps a
-:class:`~modeswitch.engines.paged_prefix.PagedPrefixShadow` of the sequences it has computed: what a prompt
-would reuse is known before the request is sent. Prompt scoring (echo + logprobs, what lm-eval's
-``local-completions`` sends) runs as a one-token request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above this layer
-(``modeswitch.backends.vllm``); this module deals in plain engine arguments.
+step's new tokens to their requests and aborts cancelled ones. Its KV lives in vLLM's engine-core
+process, so the runner keeps a :class:`~modeswitch.engines.paged_prefix.PagedPrefixShadow` of the prompts
+it was given and the sequences it has computed: what a prompt would reuse is known before the request is
+sent. Prompt scoring (echo + logprobs, what lm-eval's ``local-completions`` sends) runs as a one-token
+request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above
+this layer (``modeswitch.backends.vllm``); this module deals in plain engine arguments.
 """
 
 from __future__ import annotations
@@ -211,6 +212,10 @@ class VllmRunner:
         """Hand ``req`` to the engine now, on the caller's thread, as vLLM's own asyncio front end does. Were it
         queued for the driver thread instead, it would wait out the step the driver is blocked on, and reach
         vLLM's scheduler a step later than on vLLM's own server (one ~100 ms step of TTFT on the 2-core demo)."""
+        # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
+        # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, and
+        # first, a prompt's prefix counts for requests that arrive while it is still being added or served
+        self.prefix.record(list(req.prompt_ids))
         with self._engine_lock:
             if self._stopped:
                 req.emit("error", error="server shutting down")
@@ -225,14 +230,11 @@ class VllmRunner:
                 del self._live[req.id]
                 req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
                 return
-        # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
-        # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, a
-        # prompt's prefix counts for the requests that arrive while it is still being served
-        self.prefix.record(list(req.prompt_ids))
         self._wake.set()
 
     def running(self) -> list[_Live]:
-        """The requests vLLM is running, as this runner sees them: the oldest ``max_num_seqs`` of those added (its scheduler admits first come, first served up to that bound; ``_live`` keeps arrival order).
+        """The requests vLLM is running, as this runner sees them: the oldest ``max_num_seqs`` of those added
+        (its scheduler admits first come, first served up to that bound; ``_live`` keeps arrival order).
 
         vLLM's own counts live in its engine-core process and come back only with stats logging on, so this
         estimate stands in for them. It errs towards running where vLLM holds a request back for want of KV
