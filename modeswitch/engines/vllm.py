@@ -215,7 +215,8 @@ class VllmRunner:
         # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
         # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, and
         # first, a prompt's prefix counts for requests that arrive while it is still being added or served
-        self.prefix.record(list(req.prompt_ids))
+        ids = list(req.prompt_ids)
+        self.prefix.record(ids)
         with self._engine_lock:
             if self._stopped:
                 req.emit("error", error="server shutting down")
@@ -225,7 +226,7 @@ class VllmRunner:
                 return
             self._live[req.id] = _Live(req, front, len(req.prompt_ids))  # before vLLM can answer for it
             try:
-                self.llm.add_request(req.id, {"prompt_token_ids": list(req.prompt_ids)}, params)
+                self.llm.add_request(req.id, {"prompt_token_ids": ids}, params)
             except Exception as exc:  # e.g. a prompt the engine rejects: this request fails, not the runner
                 del self._live[req.id]
                 req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
@@ -286,10 +287,7 @@ class VllmRunner:
                 outputs = self.llm.step()
             except Exception as exc:  # the engine itself failed: every running request gets the error
                 log.exception("vLLM engine %s failed a step", self.name)
-                with self._engine_lock:
-                    failed, self._live = self._live, {}
-                for live in failed.values():
-                    live.req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+                self._fail_live(f"{exc.__class__.__name__}: {exc}")
                 continue
             finally:
                 if token is not None:
@@ -298,10 +296,14 @@ class VllmRunner:
             self.stats.max_running = max(self.stats.max_running, len(self._live))
             for out in outputs:
                 self._route(out)
+        self._fail_live("server shutting down")
+
+    def _fail_live(self, error: str) -> None:
+        """Every request the engine holds ends with ``error`` (the engine failed a step, or is closing)."""
         with self._engine_lock:
-            left, self._live = self._live, {}
-        for live in left.values():
-            live.req.emit("error", error="server shutting down")
+            failed, self._live = self._live, {}
+        for live in failed.values():
+            live.req.emit("error", error=error)
 
     def _route(self, out) -> None:
         live = self._live.get(out.request_id)
