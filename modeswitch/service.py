@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from typing import Any, Iterator
 
@@ -90,7 +91,6 @@ class Generation:
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.pinned = pinned
-        self.features = service.features(self.prompt_ids, params, task)
         self.assembler = TextAssembler(service.tokenizer, stop)
         self.attempts: list[str] = []
         self.finish_reason = "length"
@@ -106,7 +106,9 @@ class Generation:
         self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
         self.request: GenRequest | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
-        self._submit()
+        with service.routing:
+            self.features = service.features(self.prompt_ids, params, task)
+            self._submit()
 
     # ------------------------------------------------------------------ decide and submit
     def _submit(self) -> None:
@@ -285,6 +287,12 @@ class Service:
         self.model_name = model_name
         self.tokenizer = registry.tokenizer
         self.metrics = Metrics(registry, model_name)
+        #: held from a request's features to its submission, so that the next request's features see it: in
+        #: flight (queue depth) and, on an engine that records a prompt's prefix when it is added (vLLM's
+        #: shadow), as a prefix match. Without it a burst of requests sharing a new prefix all read "no
+        #: match" and skip the cache (4 of every 16 in vLLM's prefix_repetition client at 4 concurrent).
+        #: Held for microseconds: submitting never waits on generation.
+        self.routing = threading.Lock()
         controller.add_observer(self.metrics.finished)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
@@ -306,6 +314,7 @@ class Service:
             task=task,
             scoring=int(params.prompt_logprobs is not None),
             in_flight_by_mode=in_flight,
+            prefix_cache_batched=int(any(self.registry.modes[name].engine.batch_slots > 1 for name in by_mode)),
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

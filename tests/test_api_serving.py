@@ -189,3 +189,33 @@ def test_the_learned_policy_leaves_a_mode_that_is_slow_here(make_app, tmp_path):
     after = app.post("/admin/policy", json={}).get_json()
     assert after["observations"] == before["observations"]
     assert (app.policy_file.parent / "learned_state.json").is_file()
+
+
+def test_a_request_routes_only_once_the_one_before_it_is_submitted(make_app):
+    """One request's features, decision and submission end before the next request's features are read, so
+    a burst of requests sees each other in flight (and on vLLM each other's prefixes, recorded at submission)
+    instead of all reading an empty server and choosing alike. The first request's feature read is held open
+    while the second arrives: the second must wait for it and then count it in flight."""
+    app = make_app(policy="rules:\n  - when: {queue_depth: {ge: 1}}\n    use: [continuous_batching]\n"
+                          "default: [fp16]\n",
+                   scripts={"fp16": Script(token_s=0.05), "continuous_batching": Script(token_s=0.05)})
+    engine = app.backend.engines["prefix_cache"]
+    reading, release = threading.Event(), threading.Event()
+    real_match = engine.prefix_match
+
+    def first_read_waits(prompt_ids):
+        if prompt_ids and not reading.is_set():
+            reading.set()
+            release.wait(5)
+        return real_match(prompt_ids)
+
+    engine.prefix_match = first_read_waits
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(app.complete, "first", max_tokens=4)
+        assert reading.wait(5)
+        second = pool.submit(app.complete, "second", max_tokens=4)
+        time.sleep(0.2)  # long enough for the second request to read its features, were it not held back
+        release.set()
+        first, second = first.result()["modeswitch"], second.result()["modeswitch"]
+    assert (first["mode"], first["features"]["queue_depth"]) == ("fp16", 0)
+    assert (second["mode"], second["features"]["queue_depth"]) == ("continuous_batching", 1)
