@@ -50,6 +50,7 @@ def test_completion_returns_text_mode_and_reason(server):
     assert info["reason"].startswith("policy paper:")
     assert resp.headers["X-ModeSwitch-Mode"] == info["mode"]
     assert info["features"]["prompt_tokens"] == body["usage"]["prompt_tokens"] > 0
+    assert info["features"]["prefix_cache_batched"] == 0  # the transformers prefix_cache: one at a time
     assert 0 < body["usage"]["completion_tokens"] <= 12
 
 

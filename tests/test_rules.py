@@ -153,9 +153,15 @@ def test_the_default_policy_batches_int8_first_and_falls_back_to_the_reference_w
                    prefix_match_by_mode={"int8+prefix_cache": 200, "prefix_cache": 200})
     assert controller.decide(feats()).mode == "int8+continuous_batching"
     assert controller.decide(shared).mode == "int8+prefix_cache"
+    in_the_batch = controller.decide(feats(prefix_cache_batched=1))  # vLLM: every request reads the cache
+    assert (in_the_batch.mode, in_the_batch.rule) == ("int8+prefix_cache", "prefix-cache-in-the-batch")
+    held_by_fp16 = feats(prefix_cache_batched=1, prefix_match_tokens=128, prefix_match_ratio=0.4,
+                         prefix_match_by_mode={"int8+prefix_cache": 0, "prefix_cache": 128})
+    assert controller.decide(held_by_fp16).mode == "prefix_cache"  # one block of a prompt is still read
     pressed = controller.decide(feats(memory_headroom=0.05))  # the demo's GPTQ fails the gate: int8 then
     assert pressed.mode == "int8" and "gptq: fails the quality gate" in pressed.reason
     int8_fails = {mode: report["modes"]["gptq"] for mode in ("int8", "int8+continuous_batching", "int8+prefix_cache")}
     controller.quality_report = {**report, "modes": {**report["modes"], **int8_fails}}  # int8 as bad as GPTQ
     assert controller.decide(feats()).mode == "continuous_batching"
     assert controller.decide(shared).mode == "prefix_cache"
+    assert controller.decide(feats(prefix_cache_batched=1)).mode == "prefix_cache"

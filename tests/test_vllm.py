@@ -134,6 +134,17 @@ def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
 
 
+def test_the_default_policy_reads_the_prefix_cache_in_the_batch(vllm_server, int8_modes):
+    """On vLLM the prefix-cache modes share the batch, so the default policy sends every request to one of
+    them, matched prefix or not (the read costs nothing), as vLLM's own server reads its cache for all."""
+    body = requests.post(vllm_server + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": "A fresh prompt, sharing nothing.", "max_tokens": 2, "temperature": 0}).json()
+    info = body["modeswitch"]
+    assert info["features"]["prefix_cache_batched"] == 1 and info["features"]["prefix_match_tokens"] == 0
+    assert info["mode"] == ("int8+prefix_cache" if int8_modes else "prefix_cache")
+    assert "prefix-cache-in-the-batch" in info["reason"]
+
+
 def test_a_prefix_counts_while_the_request_that_computed_it_still_runs(vllm_server):
     """vLLM reuses a prompt's blocks as soon as it has scheduled them; the feature must know that too, or
     requests arriving behind a long one with the same prefix are routed as if nothing were cached."""

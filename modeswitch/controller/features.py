@@ -20,6 +20,8 @@ FEATURE_DOCS = {
     "memory_free_gb": "free device memory in GiB",
     "greedy": "1 when the request decodes greedily (temperature 0), else 0",
     "scoring": "1 when the request asks for prompt logprobs (echo + logprobs), else 0",
+    "prefix_cache_batched": "1 when a mode that reads a prefix cache batches its requests with others (vLLM "
+                            "engines: reading the cache costs a request nothing), 0 when it serves one at a time",
 }
 
 
@@ -41,6 +43,8 @@ class Features:
     scoring: int = 0
     #: requests in flight per mode (the queue in front of a request in that mode; batch occupancy for CB)
     in_flight_by_mode: Mapping[str, int] = field(default_factory=dict)
+    #: 1 when a prefix-cache mode runs requests in a batch (see FEATURE_DOCS)
+    prefix_cache_batched: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

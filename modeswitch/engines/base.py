@@ -121,9 +121,9 @@ class Engine(ABC):
     #: True when a request allocates no new memory (its KV lives in a pool or static cache reserved at start):
     #: the memory gate keeps such modes open under memory pressure.
     preallocated_kv = False
-    #: requests generated at once (1: transformers' ``generate()``, one request at a time); the rest of
-    #: ``in_flight`` waits in the engine's queue. Engines that batch by their own scheduler override
-    #: :meth:`running_now` instead.
+    #: requests generated at once (1: transformers' ``generate()``, one request at a time; a batching engine's
+    #: bound on its batch); the rest of ``in_flight`` waits in the engine's queue. Engines that batch by their
+    #: own scheduler also override :meth:`running_now`, their requests in the batch now.
     batch_slots = 1
 
     def __init__(self, max_queue: int) -> None:

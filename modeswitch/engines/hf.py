@@ -145,6 +145,7 @@ class ContinuousBatchingEngine(Engine):
 
         super().__init__(max_queue)
         self.name = name
+        self.batch_slots = max_queue  # any request it accepts joins the batch, as its KV pool allows
         self.eos = eos_ids(model)
         gen_config = GenerationConfig(
             do_sample=False,

@@ -348,6 +348,7 @@ class VllmEngine(Engine):
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.speculative = speculative
+        self.batch_slots = runner.max_num_seqs  # every mode on the runner joins its one batch
         #: prompt logprobs come from the target model's forward pass; a speculating engine does not return them
         self.supports_scoring = not speculative
         self.counters = {"requests": 0, "generated_tokens": 0}
