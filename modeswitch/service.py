@@ -290,7 +290,7 @@ class Service:
         #: held from a request's features to its submission, so that the next request's features see it: in
         #: flight (queue depth) and, on an engine that records a prompt's prefix when it is added (vLLM's
         #: shadow), as a prefix match. Without it a burst of requests sharing a new prefix all read "no
-        #: match" and skip the cache (4 of every 16 in vLLM's prefix_repetition client at 4 concurrent).
+        #: match" and skip the cache (3-4 of every 17 in vLLM's prefix_repetition client at 4 concurrent).
         #: Held for microseconds: submitting never waits on generation.
         self.routing = threading.Lock()
         controller.add_observer(self.metrics.finished)
