@@ -123,6 +123,33 @@ def test_modes_sharing_a_batch_are_explored_and_learned_as_one(tmp_path):
     assert [alone.choose(f, {}).mode for _ in range(2)] == ["fp16", "prefix_cache"]
 
 
+def test_a_request_on_another_engine_is_charged_the_device_time_it_takes_from_the_running_batch():
+    text = "type: learned\nmodes: [prefix_cache, fp16, speculative]\nexplore: {min_samples: 2, epsilon: 0}\n"
+    policy = policy_from(text)
+    policy.bind({"prefix_cache": "fp16", "fp16": "fp16"})
+    idle = feats(prompt_tokens=256, max_tokens=32)
+    busy = feats(prompt_tokens=256, max_tokens=32, queue_depth=3, in_flight_by_mode={"prefix_cache": 3})
+    # cold: the batch in use is explored, another batch waits until the running one is idle
+    assert policy.choose(idle, {}).mode == "prefix_cache"
+    assert [policy.choose(busy, {}).mode for _ in range(3)] == ["prefix_cache"] * 3
+    assert policy.choose(idle, {}).mode == "speculative" and policy.choose(idle, {}).rule == "explore"
+    for _ in range(12):
+        teach(policy, "speculative", idle, 0.04)                      # alone: fast
+        teach(policy, "fp16", busy, 0.06, ttft=0.3)                   # in a batch of four: slower each
+        teach(policy, "fp16", idle, 0.05)
+    alone = policy.models["speculative"].latency("speculative", busy)
+    assert alone < policy.models["fp16"].latency("fp16", busy, policy.siblings["fp16"])
+    # speculative would be faster for this request itself, but takes its time from the three in flight
+    assert policy.cost("speculative", busy) == pytest.approx(4 * alone)
+    assert policy.choose(busy, {}).mode in ("prefix_cache", "fp16")
+    assert policy.choose(idle, {}).mode == "speculative"
+    # contention 0: engines that do not share a device; each request counts only itself
+    apart = policy_from(text + "contention: 0\n")
+    apart.bind({"prefix_cache": "fp16", "fp16": "fp16"})
+    apart.models = policy.models
+    assert apart.choose(busy, {}).mode == "speculative"
+
+
 def test_energy_objective_changes_the_choice():
     f = feats(prompt_tokens=64, max_tokens=32)
     lat = learned("explore: {min_samples: 0, epsilon: 0}\n")
@@ -156,6 +183,7 @@ def test_state_persists_and_warm_start_replays_a_benchmark_run(tmp_path):
     ("objective: {latency: 0, energy: 0}\n", "not both 0"),
     ("explore: {epsilon: 2}\n", "epsilon"),
     ("forgetting: 0.1\n", "forgetting"),
+    ("contention: -1\n", "contention: must be >= 0"),
     ("warm_start: nowhere.json\n", "no such file"),
     ("rules: []\n", "rules: unknown field"),
 ])

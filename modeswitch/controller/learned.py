@@ -5,6 +5,7 @@ name: learned
 type: learned
 modes: [fp16, prefix_cache, continuous_batching]  # candidates; the order breaks ties while cold
 objective: {latency: 1.0, energy: 0.0}  # cost = latency_s x w_latency + energy_j x w_energy
+contention: 1.0              # what a request on one engine costs each request running on another (below)
 explore: {min_samples: 2, epsilon: 0.05, decay: 200, max_cost_ratio: 1.5, seed: 0}
 forgetting: 0.995            # recursive least squares forgetting factor: < 1 follows a changing machine
 state: learned_state.json    # kept across restarts (relative paths: next to the policy file)
@@ -22,6 +23,17 @@ the policy picks the cheapest mode that passed the gates. Exploration is bounded
 ``min_samples`` times, then with probability ``epsilon / (1 + decisions / decay)`` a mode predicted within
 ``max_cost_ratio`` of the best is tried instead. Every completed request updates its mode's models, so a
 mode that is slow on this hardware is learned to be slow whatever a rule table would say.
+
+The latency a request costs is not only its own. Every engine of a server runs on the one device, so a
+request sent to an engine while requests run on another takes device time from them: on the 2-core CPU,
+where vLLM binds every engine's worker to the same core, the two engines took turns, each at half speed
+(the first four requests of a cold run, two on each of two engines, took 13.3 s where 6.9 s pinned to one).
+Joining the running batch instead costs its members one more row in a step. So a mode's cost adds, per
+request running on another batch, ``contention`` times the request's predicted latency alone (its device
+time: 1 = the engines take turns, as measured on the CPU; lower where engines overlap, 0 = ignore).
+For the same reason a batch is first explored while the others are idle (a cold batch under load would
+teach its models contended timings and slow every request in flight); under sustained load it stays
+unexplored, which costs nothing as long as the batch in use is the best at that load.
 
 Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
 engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
@@ -171,8 +183,14 @@ class ModeModel:
         The dot products with :func:`ttft_x` and :func:`tpot_x` written out: this runs for every mode on
         every request, and building the feature lists would take most of the decision's time (a test keeps
         the two forms equal)."""
+        return self._latency(mode, f, _queue(f, batch or (mode,)), f.queue_depth)
+
+    def latency_alone(self, mode: str, f: Features) -> float:
+        """Seconds predicted for the request on an idle server: the device time it takes."""
+        return self._latency(mode, f, 0, 0)
+
+    def _latency(self, mode: str, f: Features, q: int, d: int) -> float:
         u = _prefill_tokens(mode, f)
-        q, d = _queue(f, batch or (mode,)), f.queue_depth
         a, b = self.ttft._w, self.tpot._w
         ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
         tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
@@ -214,6 +232,7 @@ class LearnedPolicy:
     w_energy: float = 0.0
     explore: Exploration = Exploration()
     forgetting: float = 0.995
+    contention: float = 1.0
     state_path: Path | None = None
     warm_start_path: Path | None = None
     source: str = ""
@@ -264,6 +283,7 @@ class LearnedPolicy:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
         return {"name": self.name, "type": "learned", "source": self.source, "description": self.description,
                 "modes": list(self.modes), "objective": {"latency": self.w_latency, "energy": self.w_energy},
+                "contention": self.contention,
                 "explore": vars(self.explore), "decisions": self.decisions,
                 "observations": {m: model.n for m, model in self.models.items()},
                 "shared_batches": sorted({s for s in self.siblings.values() if len(s) > 1}),
@@ -275,10 +295,21 @@ class LearnedPolicy:
         self._group(batches)
 
     # ------------------------------------------------------------------ deciding
+    def elsewhere(self, mode: str, f: Features) -> int:
+        """Requests in flight on other batches than ``mode``'s (all the server's modes, not only the policy's)."""
+        return f.queue_depth - _queue(f, self.siblings.get(mode, (mode,)))
+
     def cost(self, mode: str, f: Features) -> float:
-        """The objective for ``mode``: weighted predicted latency and energy (a zero weight costs nothing)."""
+        """The objective for ``mode``: weighted predicted latency, with the contention it causes the requests
+        running on other batches, and energy (a zero weight costs nothing)."""
         model = self.models[mode]
-        cost = self.w_latency * model.latency(mode, f, self.siblings[mode]) if self.w_latency else 0.0
+        cost = 0.0
+        if self.w_latency:
+            latency = model.latency(mode, f, self.siblings[mode])
+            others = self.elsewhere(mode, f)
+            if others > 0 and self.contention:
+                latency += self.contention * others * model.latency_alone(mode, f)
+            cost = self.w_latency * latency
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
     def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
@@ -290,23 +321,26 @@ class LearnedPolicy:
         # a batch has been tried as often as it was observed, or chosen (counting requests in flight)
         tried = {m: max(self.models[m].n, sum(self.chosen[s] for s in self.siblings[m])) for m in eligible}
         cold = [m for m in eligible if tried[m] < self.explore.min_samples]
-        if cold:
-            mode = min(cold, key=tried.__getitem__)
+        known = [m for m in eligible if m not in cold]
+        # a cold batch waits for the other batches to be idle, unless nothing has been tried to choose from
+        ready = [m for m in cold if self.elsewhere(m, features) <= 0] or ([] if known else cold)
+        if ready:
+            mode = min(ready, key=tried.__getitem__)
             self.chosen[mode] += 1
             return Choice(mode, f"exploring {mode}: tried {tried[mode]} of {self.explore.min_samples} times",
                           "explore", {"explore": True})
-        costs = {m: self.cost(m, features) for m in eligible}
-        best = min(eligible, key=costs.__getitem__)
+        costs = {m: self.cost(m, features) for m in known}
+        best = min(known, key=costs.__getitem__)
         mode, rule = best, "learned"
         epsilon = self.explore.epsilon / (1 + self.decisions / self.explore.decay)
-        if len(eligible) > 1 and self._rng.random() < epsilon:
-            near = [m for m in eligible if m != best and costs[m] <= self.explore.max_cost_ratio * costs[best]]
+        if len(known) > 1 and self._rng.random() < epsilon:
+            near = [m for m in known if m != best and costs[m] <= self.explore.max_cost_ratio * costs[best]]
             if near:
                 mode, rule = self._rng.choice(near), "explore"
         self.chosen[mode] += 1
         model = self.models[mode]
         latency, energy = model.latency(mode, features, self.siblings[mode]), model.energy_j(mode, features)
-        ranked = ", ".join(f"{m} {costs[m]:.3g}" for m in sorted(eligible, key=costs.__getitem__))
+        ranked = ", ".join(f"{m} {costs[m]:.3g}" for m in sorted(known, key=costs.__getitem__))
         what = "exploring" if rule == "explore" else "lowest predicted cost"
         reason = f"{what}: {mode} (predicted {latency:.3f} s, {energy:.3g} J; costs: {ranked})"
         return Choice(mode, reason, rule, {"latency_s": round(latency, 5), "energy_j": round(energy, 5),
@@ -372,7 +406,7 @@ def features_from(d: Mapping[str, Any]) -> Features:
 def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> LearnedPolicy:
     """A ``type: learned`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
     source = sec.source
-    sec.only(COMMON_KEYS | {"modes", "objective", "explore", "forgetting", "state", "warm_start"})
+    sec.only(COMMON_KEYS | {"modes", "objective", "contention", "explore", "forgetting", "state", "warm_start"})
     modes = sec.get("modes", list, sorted(known))
     for m in modes:
         if m not in known:
@@ -396,6 +430,9 @@ def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> Lear
     forgetting = float(sec.get("forgetting", (int, float), 0.995))
     if not 0.5 < forgetting <= 1:
         raise sec.error(f"must be in (0.5, 1], got {forgetting}", "forgetting")
+    contention = float(sec.get("contention", (int, float), 1.0))
+    if contention < 0:
+        raise sec.error(f"must be >= 0, got {contention}", "contention")
     base = Path(source).parent
 
     def path(key: str) -> Path | None:
@@ -406,4 +443,5 @@ def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> Lear
     if warm is not None and not warm.is_file():
         raise sec.error(f"no such file: {warm}", "warm_start")
     return LearnedPolicy(modes=tuple(modes), w_latency=w_latency, w_energy=w_energy, explore=explore,
-                         forgetting=forgetting, state_path=path("state"), warm_start_path=warm, **common)
+                         forgetting=forgetting, contention=contention, state_path=path("state"),
+                         warm_start_path=warm, **common)
