@@ -105,6 +105,11 @@ class ModeState:
         return self.engine.in_flight if self.engine is not None else 0
 
     @property
+    def batch_slots(self) -> int:
+        """Requests its engine generates at once (1: one at a time, or not loaded)."""
+        return self.engine.batch_slots if self.engine is not None else 1
+
+    @property
     def max_queue(self) -> int:
         return self.engine.max_queue if self.engine is not None else self.spec.max_queue
 
@@ -138,7 +143,7 @@ class ModeState:
             "decoding": spec.decoding,
             "prefix_cache": spec.prefix_cache,
             "batching": spec.batching,
-            "max_queue": spec.max_queue,
+            "max_queue": self.max_queue,
             "in_flight": self.in_flight,
             **self.details,
         }

@@ -314,7 +314,7 @@ class Service:
             task=task,
             scoring=int(params.prompt_logprobs is not None),
             in_flight_by_mode=in_flight,
-            prefix_cache_batched=int(any(self.registry.modes[name].engine.batch_slots > 1 for name in by_mode)),
+            prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

@@ -33,6 +33,7 @@ class Mode:
     reason: str = ""
     in_flight: int = 0
     max_queue: int = 4
+    batch_slots: int = 1
     supports_sampling: bool = True
     supports_scoring: bool = True
     preallocated_kv: bool = False

@@ -125,14 +125,24 @@ def test_modes_sharing_a_batch_are_explored_and_learned_as_one(tmp_path):
 
 def test_a_request_on_another_engine_is_charged_the_device_time_it_takes_from_the_running_batch():
     text = "type: learned\nmodes: [prefix_cache, fp16, speculative]\nexplore: {min_samples: 2, epsilon: 0}\n"
+    batches, batching = {"prefix_cache": "fp16", "fp16": "fp16"}, frozenset({"prefix_cache", "fp16", "speculative"})
     policy = policy_from(text)
-    policy.bind({"prefix_cache": "fp16", "fp16": "fp16"})
+    policy.bind(batches, batching)
     idle = feats(prompt_tokens=256, max_tokens=32)
     busy = feats(prompt_tokens=256, max_tokens=32, queue_depth=3, in_flight_by_mode={"prefix_cache": 3})
-    # cold: the batch in use is explored, another batch waits until the running one is idle
+    on_spec = feats(prompt_tokens=256, max_tokens=32, queue_depth=1, in_flight_by_mode={"speculative": 1})
+    # cold: the batch in use is explored, another batch waits for an idle server (even behind its own first try)
     assert policy.choose(idle, {}).mode == "prefix_cache"
     assert [policy.choose(busy, {}).mode for _ in range(3)] == ["prefix_cache"] * 3
-    assert policy.choose(idle, {}).mode == "speculative" and policy.choose(idle, {}).rule == "explore"
+    assert policy.choose(idle, {}).mode == "speculative" and policy.choose(on_spec, {}).mode == "prefix_cache"
+    assert policy.choose(idle, {}).rule == "explore"
+    # tried twice, its requests still running: nothing observed predicts nothing, the observed batch goes first
+    teach(policy, "prefix_cache", idle, 0.05)
+    assert policy.choose(idle, {}).mode == "prefix_cache"
+    # exploration does not wait behind requests served one at a time, whose queue only another mode can relieve
+    queued = policy_from(text)
+    queued.bind(batches, batching - {"prefix_cache"})
+    assert [queued.choose(busy, {}).mode for _ in range(2)] == ["prefix_cache", "speculative"]
     for _ in range(12):
         teach(policy, "speculative", idle, 0.04)                      # alone: fast
         teach(policy, "fp16", busy, 0.06, ttft=0.3)                   # in a batch of four: slower each
@@ -145,7 +155,7 @@ def test_a_request_on_another_engine_is_charged_the_device_time_it_takes_from_th
     assert policy.choose(idle, {}).mode == "speculative"
     # contention 0: engines that do not share a device; each request counts only itself
     apart = policy_from(text + "contention: 0\n")
-    apart.bind({"prefix_cache": "fp16", "fp16": "fp16"})
+    apart.bind(batches, batching)
     apart.models = policy.models
     assert apart.choose(busy, {}).mode == "speculative"
 

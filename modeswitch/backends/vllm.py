@@ -150,7 +150,7 @@ class VllmBackend:
         if spec.speculative is not None:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")
-        engine = VllmEngine(spec.name, runner, spec.max_queue, spec.prefix_cache, spec.speculative is not None)
+        engine = VllmEngine(spec.name, runner, spec.prefix_cache, spec.speculative is not None)
         return BuiltMode(engine, details, self.checkpoint.step_cost(plan.weights[key]), batch=key)
 
     def resident_weights(self) -> dict[str, int]:

@@ -65,11 +65,15 @@ class Controller:
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
         self._observers: list[Observer] = []
         self._reload_lock = threading.Lock()
-        policy.bind(self.batches())
+        policy.bind(self.batches(), self.batching())
 
     def batches(self) -> dict[str, str]:
         """Each resident mode's running batch (what a policy may learn once for all the modes sharing it)."""
         return {name: mode.batch for name, mode in self.modes.items()}
+
+    def batching(self) -> frozenset[str]:
+        """The resident modes whose engine runs several requests in one batch."""
+        return frozenset(name for name, mode in self.modes.items() if mode.batch_slots > 1)
 
     def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
         """Modes a gate rejects for this request, with the first gate's verdict."""
@@ -160,6 +164,6 @@ class Controller:
         with self._reload_lock:
             self.close()  # a learning policy's state is saved first, so reloading its own file keeps what it learned
             new = load_policy(path or self.policy.source, self.defined_modes)
-            new.bind(self.batches())
+            new.bind(self.batches(), self.batching())
             self.policy = new
             return new

@@ -31,9 +31,13 @@ where vLLM binds every engine's worker to the same core, the two engines took tu
 Joining the running batch instead costs its members one more row in a step. So a mode's cost adds, per
 request running on another batch, ``contention`` times the request's predicted latency alone (its device
 time: 1 = the engines take turns, as measured on the CPU; lower where engines overlap, 0 = ignore).
-For the same reason a batch is first explored while the others are idle (a cold batch under load would
-teach its models contended timings and slow every request in flight); under sustained load it stays
-unexplored, which costs nothing as long as the batch in use is the best at that load.
+For the same reason, while the requests in flight all run in batches (engines that batch, :meth:`bind`), a
+cold batch waits for an idle server before it is explored: tried under that load it would slow every one of
+them, and learn contended timings. Under sustained load it stays unexplored, which costs nothing while the
+batch in use takes every new request as it comes. Where a busy mode serves one request at a time its queue
+grows, and trying another mode is how the policy finds out: there exploration does not wait. A consequence
+to know: under sustained load the load stays on the batch that holds it (moving a request costs the others
+more than it saves), so which batch serves a long busy spell is the one in use when it began.
 
 Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
 engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
@@ -248,6 +252,7 @@ class LearnedPolicy:
         self._since_save = 0
         self._lock = threading.Lock()
         self._rng = random.Random(self.explore.seed)
+        self.batching: frozenset[str] = frozenset()
         self._saved = self._read_saved()
         self._group({})
 
@@ -289,15 +294,22 @@ class LearnedPolicy:
                 "shared_batches": sorted({s for s in self.siblings.values() if len(s) > 1}),
                 "state": str(self.state_path) if self.state_path else None}
 
-    def bind(self, batches: Mapping[str, str]) -> None:
-        """Share one model among the modes of each running batch (modes the server does not name run alone).
-        Called by the controller before the policy decides anything; what was restored fills the new models."""
+    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset()) -> None:
+        """Share one model among the modes of each running batch (modes the server does not name run alone);
+        ``batching``: the modes whose engine batches requests. Called by the controller before the policy
+        decides anything; what was restored fills the new models."""
+        self.batching = frozenset(batching)
         self._group(batches)
 
     # ------------------------------------------------------------------ deciding
     def elsewhere(self, mode: str, f: Features) -> int:
         """Requests in flight on other batches than ``mode``'s (all the server's modes, not only the policy's)."""
         return f.queue_depth - _queue(f, self.siblings.get(mode, (mode,)))
+
+    def batched_load(self, f: Features) -> bool:
+        """Whether requests are in flight and every one of them runs in a batching engine (none queues)."""
+        busy = [m for m, n in f.in_flight_by_mode.items() if n > 0]
+        return bool(busy) and all(m in self.batching for m in busy)
 
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency, with the contention it causes the requests
@@ -322,13 +334,19 @@ class LearnedPolicy:
         tried = {m: max(self.models[m].n, sum(self.chosen[s] for s in self.siblings[m])) for m in eligible}
         cold = [m for m in eligible if tried[m] < self.explore.min_samples]
         known = [m for m in eligible if m not in cold]
-        # a cold batch waits for the other batches to be idle, unless nothing has been tried to choose from
-        ready = [m for m in cold if self.elsewhere(m, features) <= 0] or ([] if known else cold)
+        ready = cold
+        if cold and self.batched_load(features):
+            # explored under a batched load, a cold batch would slow every request in flight: it waits for an
+            # idle server, unless nothing has been tried yet (then the batch already running goes first)
+            running = {s for m, n in features.in_flight_by_mode.items() if n > 0 for s in self.siblings.get(m, (m,))}
+            ready = [] if known else [m for m in cold if m in running] or cold
         if ready:
             mode = min(ready, key=tried.__getitem__)
             self.chosen[mode] += 1
             return Choice(mode, f"exploring {mode}: tried {tried[mode]} of {self.explore.min_samples} times",
                           "explore", {"explore": True})
+        # a batch tried but not yet observed (its requests still running) predicts nothing: the observed go first
+        known = [m for m in known if self.models[m].n > 0] or known
         costs = {m: self.cost(m, features) for m in known}
         best = min(known, key=costs.__getitem__)
         mode, rule = best, "learned"

@@ -151,7 +151,7 @@ class RulePolicy:
     def save(self) -> None:
         """Nothing learned, nothing to save."""
 
-    def bind(self, batches: Mapping[str, str]) -> None:
+    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset()) -> None:
         """A rule table names its modes itself: which share a batch changes nothing."""
 
 

@@ -6,8 +6,10 @@ runner through their own :class:`VllmEngine` front (own queue bound, own statist
 
 * prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
   requests, so it never reads KV another mode stored;
-* continuous batching is what vLLM always does (``max_num_seqs`` per engine); ``batching: none`` modes
-  share the batch too, bounded by their ``max_queue``.
+* continuous batching is what vLLM always does (``max_num_seqs`` per engine, the sum of its modes'
+  ``max_queue``); ``batching: none`` modes share the batch too, and any mode on an engine may fill it:
+  a front bounded by its own ``max_queue`` sent the 9th concurrent request of a prefix-cache policy to a
+  mode that skips reading the cache, though the engine had room for it in its batch.
 
 Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memory plan). A request is
 added to its engine on the thread that submits it; the runner's own thread steps the engine, routes each
@@ -341,9 +343,8 @@ class VllmEngine(Engine):
 
     preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
 
-    def __init__(self, name: str, runner: VllmRunner, max_queue: int, prefix_cache: bool,
-                 speculative: bool) -> None:
-        super().__init__(max_queue)
+    def __init__(self, name: str, runner: VllmRunner, prefix_cache: bool, speculative: bool) -> None:
+        super().__init__(runner.max_num_seqs)  # the engine's batch, shared by its modes (see the module doc)
         self.name = name
         self.runner = runner
         self.prefix_cache = prefix_cache
