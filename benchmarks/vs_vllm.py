@@ -2,11 +2,12 @@
 
 Each server is started alone (nothing else running), then ``vllm bench serve`` sends the same workloads to
 it: ``random`` (256 -> 32 tokens) and ``prefix_repetition`` (2 prefixes of 256 tokens + 32-token suffixes ->
-32 tokens), 16 prompts at 4 concurrent clients, greedy, ignore-eos. The table gives output tokens/s and
+32 tokens), 16 prompts at 4 concurrent clients (``--prompts``, ``--concurrency``), greedy, ignore-eos. The table gives output tokens/s and
 median TTFT per server and workload, with each one's ratio to vLLM's server from the same run; JSON with the
 client's full results lands in benchmarks/results/. ``--repeats N`` sends each workload N times to the same
 server, each time with other prompts (seed 0..N-1: nothing is in the prefix cache from the time before), and
-reports the median and the range: one run of 16 short prompts moves by 5-10 %.
+reports the median and the range: one run of 16 short prompts moves by 5-10 %. For a ModeSwitch server the
+JSON also keeps how many requests each mode served (``/v1/modes``), over all its runs.
 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
                                            [--vllm "label=ENV=VALUE ..." ...] [--repeats N]
@@ -85,11 +86,12 @@ def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, st
     raise RuntimeError(f"vLLM's server not ready in 900 s; see {log.name}")
 
 
-def bench(url: str, name: str, tokenizer: str, workload: str, out: Path, seed: int = 0) -> dict:
+def bench(url: str, name: str, tokenizer: str, workload: str, out: Path, seed: int = 0, prompts: int = 16,
+          concurrency: int = 4) -> dict:
     """One ``vllm bench serve`` run (``seed`` picks the prompts); the client's own result JSON."""
     cmd = [sys.executable, CLI, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
-           "/v1/completions", "--model", name, "--tokenizer", tokenizer, *WORKLOADS[workload], "--num-prompts", "16",
-           "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--save-result",
+           "/v1/completions", "--model", name, "--tokenizer", tokenizer, *WORKLOADS[workload],
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -105,6 +107,8 @@ def main() -> int:
                     help="'label=ENV=VALUE ...' for one vLLM server (repeatable; default: one, as it starts by default)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=1, help="runs per workload and server, other prompts each (median)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts a run")
+    ap.add_argument("--concurrency", type=int, default=4, help="the client's concurrent requests")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -128,8 +132,8 @@ def main() -> int:
                 start_s = time.perf_counter() - t0
             try:
                 for workload in workloads:
-                    results = [bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}-{seed}.json", seed)
-                               for seed in range(args.repeats)]
+                    results = [bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}-{seed}.json", seed,
+                                     args.prompts, args.concurrency) for seed in range(args.repeats)]
                     tok_s = [r["output_throughput"] for r in results]
                     runs.append({"server": label, "flags": flags, "env": env, "workload": workload,
                                  "start_s": round(start_s, 1), "output_tok_s": statistics.median(tok_s),
@@ -139,6 +143,13 @@ def main() -> int:
                                  "completed": sum(r["completed"] for r in results), "client": results})
                     print(f"  {workload}: {runs[-1]['output_tok_s']:.1f} out tok/s ({', '.join(f'{t:.1f}' for t in tok_s)}),"
                           f" TTFT p50 {runs[-1]['ttft_p50_ms']:.0f} ms", flush=True)
+                if flags is not None:
+                    cards = requests.get(f"{url}/v1/modes", timeout=30).json()["modes"]
+                    served = {c["name"]: c["stats"]["requests"] for c in cards if c.get("stats", {}).get("requests")}
+                    print(f"  requests by mode: {served}", flush=True)
+                    for r in runs:
+                        if r["server"] == label:
+                            r["requests_by_mode"] = served
             finally:
                 stop(proc)
     ref = {}
@@ -161,9 +172,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     machine = processor()
-    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": machine, "runs": runs}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": machine, "prompts": args.prompts,
+                                                  "concurrency": args.concurrency, "runs": runs}, indent=1))
     (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
-                                    f"\n\nvLLM's benchmark client: 16 prompts, 4 concurrent, "
+                                    f"\n\nvLLM's benchmark client: {args.prompts} prompts, {args.concurrency} concurrent, "
                                     f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each, "
                                     f"median (range: out tok/s of each run).\n\n{table}\n")
     print(f"wrote {out / stem}.json/.md")
