@@ -37,7 +37,10 @@ them, and learn contended timings. Under sustained load it stays unexplored, whi
 batch in use takes every new request as it comes. Where a busy mode serves one request at a time its queue
 grows, and trying another mode is how the policy finds out: there exploration does not wait. A consequence
 to know: under sustained load the load stays on the batch that holds it (moving a request costs the others
-more than it saves), so which batch serves a long busy spell is the one in use when it began.
+more than it saves), so which batch serves a long busy spell is the one in use when it began. Hence also: a
+batch tried but not yet observed (its first requests still running) predicts nothing and yields to observed
+ones; before that rule, the requests after an exploration of speculative on an idle server followed it,
+predicted at 0 s, and a whole busy spell stayed there.
 
 Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
 engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
