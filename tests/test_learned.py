@@ -45,7 +45,9 @@ def test_latency_written_out_equals_the_models_dot_products():
         f = feats(prompt_tokens=rng.randint(1, 2000), max_tokens=rng.randint(1, 300), queue_depth=rng.randint(0, 9),
                   prefix_match_by_mode={"prefix_cache": rng.randint(0, 500)}, in_flight_by_mode={"prefix_cache": rng.randint(0, 4)})
         teach(policy, "prefix_cache", f, rng.uniform(0.01, 0.2), ttft=rng.uniform(0.05, 3))
-        ttft = max(model.ttft.predict(ttft_x("prefix_cache", f)), 0.0)
+        x, u = ttft_x("prefix_cache", f), f.prompt_tokens / 1000
+        whole = model.ttft.predict([x[0], u, u * u, *x[3:]])  # the same request prefilling its whole prompt
+        ttft = max(min(model.ttft.predict(x), whole), 0.0)
         tpot = max(model.tpot.predict(tpot_x("prefix_cache", f)), 0.0)
         assert model.latency("prefix_cache", f) == pytest.approx(ttft + (f.max_tokens - 1) * tpot, rel=1e-9, abs=1e-12)
 
@@ -158,6 +160,27 @@ def test_a_request_on_another_engine_is_charged_the_device_time_it_takes_from_th
     apart.bind(batches, batching)
     apart.models = policy.models
     assert apart.choose(busy, {}).mode == "speculative"
+
+
+def test_a_held_prefix_is_read_where_the_fit_slopes_down_and_exploration_skips_the_bests_siblings():
+    text = "type: learned\nmodes: [fp16, prefix_cache, gptq]\nexplore: {min_samples: 0, epsilon: 0}\n"
+    policy = policy_from(text)
+    policy.bind({"fp16": "fp16", "prefix_cache": "fp16"}, frozenset({"fp16", "prefix_cache", "gptq"}))
+    # first tokens that came sooner for longer prompts: the queue, not the prefill, set them
+    for prompt, ttft in ((64, 2.0), (256, 1.5), (512, 1.0), (128, 1.8), (384, 1.2)) * 3:
+        f = feats(prompt_tokens=prompt, max_tokens=16)
+        policy.observe(served("fp16", f, ttft, 0.05, energy_j=10.0))
+        policy.observe(served("gptq", f, ttft + 1.0, 0.1, energy_j=10.0))
+    shared = feats(prompt_tokens=512, max_tokens=16, prefix_match_by_mode={"prefix_cache": 448})
+    model = policy.models["fp16"]
+    assert model.ttft.predict(ttft_x("prefix_cache", shared)) > model.ttft.predict(ttft_x("fp16", shared))
+    assert model.latency("prefix_cache", shared) == pytest.approx(model.latency("fp16", shared))
+    assert policy.choose(shared, {}).mode == "prefix_cache"
+    # exploring, every mode near the best: only the other batch is tried (the siblings share the best's models)
+    eager = policy_from(text.replace("epsilon: 0", "epsilon: 1, decay: 1000000000, max_cost_ratio: 100"))
+    eager.bind({"fp16": "fp16", "prefix_cache": "fp16"})
+    eager.models = policy.models
+    assert {eager.choose(shared, {}).mode for _ in range(20)} == {"gptq"}
 
 
 def test_energy_objective_changes_the_choice():

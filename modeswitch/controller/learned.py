@@ -189,7 +189,11 @@ class ModeModel:
 
         The dot products with :func:`ttft_x` and :func:`tpot_x` written out: this runs for every mode on
         every request, and building the feature lists would take most of the decision's time (a test keeps
-        the two forms equal)."""
+        the two forms equal). A prefix the mode's cache holds never makes the first token later: the prefill
+        terms are fitted to first-token times that the queue dominates, and where their fit slopes down, a
+        cache-reading mode was predicted slower than its sibling in the same batch for the same request (it
+        sent shared-prefix requests past the cache: 16 cached tokens a request against 23 pinned), so the
+        prediction is at most the one for prefilling the whole prompt."""
         return self._latency(mode, f, _queue(f, batch or (mode,)), f.queue_depth)
 
     def latency_alone(self, mode: str, f: Features) -> float:
@@ -197,9 +201,11 @@ class ModeModel:
         return self._latency(mode, f, 0, 0)
 
     def _latency(self, mode: str, f: Features, q: int, d: int) -> float:
-        u = _prefill_tokens(mode, f)
+        u, whole = _prefill_tokens(mode, f), f.prompt_tokens / 1000.0
         a, b = self.ttft._w, self.tpot._w
         ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
+        if u < whole:
+            ttft = min(ttft, ttft + a[1] * (whole - u) + a[2] * (whole * whole - u * u))
         tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
         return max(ttft, 0.0) + max(f.max_tokens - 1, 0) * max(tpot, 0.0)
 
@@ -351,11 +357,14 @@ class LearnedPolicy:
         # a batch tried but not yet observed (its requests still running) predicts nothing: the observed go first
         known = [m for m in known if self.models[m].n > 0] or known
         costs = {m: self.cost(m, features) for m in known}
-        best = min(known, key=costs.__getitem__)
+        # on a tie (siblings in one batch), the mode whose cache holds more of the prompt
+        best = min(known, key=lambda m: (costs[m], -features.prefix_match_by_mode.get(m, 0)))
         mode, rule = best, "learned"
         epsilon = self.explore.epsilon / (1 + self.decisions / self.explore.decay)
         if len(known) > 1 and self._rng.random() < epsilon:
-            near = [m for m in known if m != best and costs[m] <= self.explore.max_cost_ratio * costs[best]]
+            # another batch: the best's siblings share its models, so trying one teaches nothing
+            near = [m for m in known if self.siblings[m] != self.siblings[best]
+                    and costs[m] <= self.explore.max_cost_ratio * costs[best]]
             if near:
                 mode, rule = self._rng.choice(near), "explore"
         self.chosen[mode] += 1
