@@ -91,7 +91,8 @@ def bench(url: str, name: str, tokenizer: str, workload: str, out: Path, seed: i
     """One ``vllm bench serve`` run (``seed`` picks the prompts); the client's own result JSON."""
     cmd = [sys.executable, CLI, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint",
            "/v1/completions", "--model", name, "--tokenizer", tokenizer, *WORKLOADS[workload],
-           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--save-result",
+           "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+           "--temperature", "0", "--seed", str(seed), "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

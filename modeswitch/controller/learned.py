@@ -204,8 +204,8 @@ class ModeModel:
         u, whole = _prefill_tokens(mode, f), f.prompt_tokens / 1000.0
         a, b = self.ttft._w, self.tpot._w
         ttft = a[0] + a[1] * u + a[2] * u * u + a[3] * q + a[4] * d
-        if u < whole:
-            ttft = min(ttft, ttft + a[1] * (whole - u) + a[2] * (whole * whole - u * u))
+        if u < whole:  # no later than prefilling the whole prompt (see above)
+            ttft += min(0.0, a[1] * (whole - u) + a[2] * (whole * whole - u * u))
         tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
         return max(ttft, 0.0) + max(f.max_tokens - 1, 0) * max(tpot, 0.0)
 

@@ -35,6 +35,10 @@ class ModeView(Protocol):
         """The bound on ``in_flight``: at it the mode is saturated."""
 
     @property
+    def batch_slots(self) -> int:
+        """Requests its engine generates at once (1: one at a time)."""
+
+    @property
     def supports_sampling(self) -> bool:
         """It can decode with temperature > 0 (else greedy only)."""
 
