@@ -39,7 +39,7 @@ def task_kinds(tasks) -> dict[str, dict]:
     """Per task: output type, primary metric key (``metric,filter``) and whether higher is better."""
     from lm_eval.tasks import get_task_dict
 
-    tdict = get_task_dict(list(tasks), task_manager())
+    tdict = get_task_dict(list(tasks), task_manager(tasks))
     kinds = {}
     for name, task in tdict.items():
         cfg = task.config
