@@ -27,7 +27,7 @@ import requests
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import Bench, _tokenizer, learned_policy  # noqa: E402
+from run import PASSING, Bench, _tokenizer, learned_policy  # noqa: E402
 
 from modeswitch.bench import report  # noqa: E402
 from modeswitch.bench.workloads import TextSource  # noqa: E402
@@ -62,21 +62,17 @@ def main() -> int:
     try:
         bench = Bench(url, TextSource(_tokenizer(args.model)), args)
         listing = requests.get(url + "/v1/modes", timeout=30).json()
-        gate = shipped_report(args.model, listing["quality_gate"]["holds_for"])
-        if gate.is_file():  # else every mode passes, as in run.py
-            gate = Path(shutil.copy(gate, tmp))
-            requests.post(url + "/admin/gate", json={"path": str(gate)}, timeout=60).raise_for_status()
-        cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
-        statics = [m for m in args.modes.split(",") if cards.get(m, {}).get("status") == "available"
-                   and cards[m].get("quality_gate", "pass") in ("pass", "not in report")]
+        available = {m["name"] for m in listing["modes"] if m["status"] == "available"}
+        verdicts = bench.gate(shipped_report(args.model, listing["quality_gate"]["holds_for"]), tmp)
+        statics = [m for m in args.modes.split(",") if m in available and verdicts[m] in PASSING]
         contenders = [f"mode:{m}" for m in statics] + args.policies.split(",") + ["learned"]
         means: dict[str, list[float]] = {c: [] for c in contenders}
         mixes: dict[str, dict[str, int]] = {c: {} for c in contenders}
         for r in range(args.rounds):
             for name in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
-                records = run_one(bench, tmp, name, r, args.learned_passes)
-                means[name].append(report.summarize(records)["mean_latency_s"])
-                for mode, n in report.summarize(records)["mode_mix"].items():
+                summary = report.summarize(run_one(bench, tmp, name, r, args.learned_passes))
+                means[name].append(summary["mean_latency_s"])
+                for mode, n in summary["mode_mix"].items():
                     mixes[name][mode] = mixes[name].get(mode, 0) + n
                 tqdm.write(f"round {r + 1} {name:24s} mean {means[name][-1]:.3f} s")
     finally:

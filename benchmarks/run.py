@@ -67,6 +67,10 @@ def parse_args():
     return args, [a for a in server_args if a != "--"]
 
 
+#: quality gate verdicts that let a mode serve
+PASSING = ("pass", "not in report")
+
+
 class Bench:
     def __init__(self, url: str, source: TextSource, args) -> None:
         self.url, self.source, self.args = url, source, args
@@ -80,6 +84,17 @@ class Bench:
     def send(self, name: str, slots, mode: str | None = None, concurrency: int | None = None):
         with tqdm(total=len(slots), desc=name, unit="req", leave=False) as bar:
             return send(self.url, slots, mode, concurrency or self.args.concurrency, progress=bar.update)
+
+    def gate(self, path: Path, tmp: Path) -> dict[str, str]:
+        """Load the quality gate report at ``path`` (a copy in ``tmp``, which the server's admin routes may
+        read) and return each mode's verdict; with no report there, every mode passes."""
+        cards = requests.get(self.url + "/v1/modes", timeout=30).json()["modes"]
+        if not path.is_file():
+            return {m["name"]: "pass" for m in cards}
+        copy = shutil.copy(path, tmp / path.name)
+        requests.post(self.url + "/admin/gate", json={"path": str(copy)}, timeout=60).raise_for_status()
+        cards = requests.get(self.url + "/v1/modes", timeout=30).json()["modes"]
+        return {m["name"]: m.get("quality_gate", "pass") for m in cards}
 
     def policy(self, path: Path) -> dict:
         resp = requests.post(self.url + "/admin/policy", json={"path": str(path)}, timeout=60)
@@ -121,13 +136,8 @@ def main() -> int:
 
         holds_for = listing["quality_gate"]["holds_for"]  # the kernels serving the modes
         gate_path = Path(args.gate_report) if args.gate_report else shipped_report(args.model, holds_for)
-        verdicts = {m: "pass" for m in cards}
-        if gate_path.is_file():
-            gate_copy = shutil.copy(gate_path, tmp / gate_path.name)
-            requests.post(url + "/admin/gate", json={"path": str(gate_copy)}, timeout=60).raise_for_status()
-            cards = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]}
-            verdicts = {m: card.get("quality_gate", "pass") for m, card in cards.items()}
-        allowed = [m for m in static_modes if verdicts[m] in ("pass", "not in report")]
+        verdicts = bench.gate(gate_path, tmp)
+        allowed = [m for m in static_modes if verdicts[m] in PASSING]
 
         for policy in ("batch-first", "paper"):
             bench.policy(ROOT / "policies" / f"{policy}.yaml")
@@ -158,7 +168,7 @@ def main() -> int:
     quality = {}
     for name, records in runs.items():
         used = {r["mode"] for r in records if r.get("ok")}
-        failing = sorted(m for m in used if verdicts.get(m) not in ("pass", "not in report"))
+        failing = sorted(m for m in used if verdicts.get(m) not in PASSING)
         quality[name] = f"uses {', '.join(failing)}: fails the gate" if failing else "all modes pass"
     n = args.requests
     # per slot, the better of two fp16 runs: the oracle's "gain" from noise alone
