@@ -160,6 +160,8 @@ def test_the_default_policy_batches_int8_first_and_falls_back_to_the_reference_w
     assert controller.decide(held_by_fp16).mode == "prefix_cache"  # one block of a prompt is still read
     pressed = controller.decide(feats(memory_headroom=0.05))  # the demo's GPTQ fails the gate: int8 then
     assert pressed.mode == "int8" and "gptq: fails the quality gate" in pressed.reason
+    reserved = controller.decide(feats(memory_headroom=0.05, prefix_cache_batched=1))  # vLLM's KV: reserved at start
+    assert (reserved.mode, reserved.rule) == ("int8+prefix_cache", "prefix-cache-in-the-batch")
     int8_fails = {mode: report["modes"]["gptq"] for mode in ("int8", "int8+continuous_batching", "int8+prefix_cache")}
     controller.quality_report = {**report, "modes": {**report["modes"], **int8_fails}}  # int8 as bad as GPTQ
     assert controller.decide(feats()).mode == "continuous_batching"
