@@ -6,7 +6,10 @@ it: ``random`` (256 -> 32 tokens) and ``prefix_repetition`` (2 prefixes of 256 t
 median TTFT per server and workload, with each one's ratio to vLLM's server from the same run; JSON with the
 client's full results lands in benchmarks/results/. ``--repeats N`` sends each workload N times to the same
 server, each time with other prompts (seed 0..N-1: nothing is in the prefix cache from the time before), and
-reports the median and the range: one run of 16 short prompts moves by 5-10 %. For a ModeSwitch server the
+reports the median and the range: one run of 16 short prompts moves by 5-10 %. ``--interleave`` starts every
+server first and runs the repeats in rounds over all of them: on a machine whose speed drifts (a shared VM here
+gave vLLM's server 38.6 and 29.2 out tok/s on the same prompts half an hour apart) servers run one after
+another compare different machines. For a ModeSwitch server the
 JSON also keeps how many requests each mode served (``/v1/modes``), over all its runs.
 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
@@ -62,15 +66,27 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str]) -> tuple[subprocess.Popen, str, float]:
-    """vLLM's own OpenAI server on a free port, fp32 like ModeSwitch's CPU engines; (process, URL, start s)."""
+def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """``'label=ENV=VALUE ... --flag value ...'`` -> (label, environment, server flags): environment settings
+    first, then flags for ``vllm serve`` from the first word starting with ``-`` (``--dtype bfloat16`` replaces
+    the default fp32: the peer of a mode whose engine runs bf16)."""
+    label, rest = spec.split("=", 1)
+    words = shlex.split(rest)
+    cut = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
+    return label, dict(w.split("=", 1) for w in words[:cut]), words[cut:]
+
+
+def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str],
+               flags: list[str] = ()) -> tuple[subprocess.Popen, str, float]:
+    """vLLM's own OpenAI server on a free port, fp32 like ModeSwitch's CPU engines unless ``flags`` say
+    otherwise (later flags win); (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "8192"], stdout=log, stderr=subprocess.STDOUT,
+                             "--dtype", "float32", "--max-model-len", "8192", *flags], stdout=log, stderr=subprocess.STDOUT,
                             env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - started < 900:
@@ -99,15 +115,59 @@ def bench(url: str, name: str, tokenizer: str, workload: str, out: Path, seed: i
     return json.loads(out.read_text())
 
 
+@dataclass
+class Server:
+    """One server of the comparison: vLLM's own (``flags`` None: ``env`` and ``vllm_flags`` for it) or
+    ModeSwitch's (``flags``: serve.py's); started once, stopped once, with what it served by mode."""
+    label: str
+    flags: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    vllm_flags: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    start_s: float = 0.0
+    served: dict[str, int] = field(default_factory=dict)
+
+    def start(self, model_dir: str, model: str, log_dir: Path) -> None:
+        if self.proc is not None or self.url:  # running, or ran already
+            return
+        print(f"starting {self.label} ...", flush=True)
+        if self.flags is None:
+            self.proc, self.url, self.start_s = start_vllm(model_dir, model, log_dir, self.env, self.vllm_flags)
+        else:
+            t0 = time.perf_counter()
+            self.proc, self.url, _ = start_server(log_dir, "--model", model, *shlex.split(self.flags), wait_s=900)
+            self.start_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.flags is not None:  # requests per mode over all its runs
+            try:
+                cards = requests.get(f"{self.url}/v1/modes", timeout=30).json()["modes"]
+            except requests.RequestException as e:  # it failed: stop it all the same
+                print(f"  {self.label}: no /v1/modes ({e})", flush=True)
+            else:
+                self.served = {c["name"]: c["stats"]["requests"] for c in cards if c.get("stats", {}).get("requests")}
+                print(f"  {self.label}: requests by mode: {self.served}", flush=True)
+        stop(self.proc)
+        self.proc = None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo", help="ModeSwitch preset or path (vLLM's server gets its fp16 weights)")
     ap.add_argument("--modeswitch", action="append", default=None,
                     help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: three)")
     ap.add_argument("--vllm", action="append", default=None,
-                    help="'label=ENV=VALUE ...' for one vLLM server (repeatable; default: one, as it starts by default)")
+                    help="'label=ENV=VALUE ... --flag ...' for one vLLM server: environment, then `vllm serve` flags "
+                         "(repeatable; default: one, as it starts by default, fp32)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=1, help="runs per workload and server, other prompts each (median)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server first, then run the repeats in rounds over all of them (rotated): a "
+                         "machine whose speed drifts over the run moves every row alike (idle servers cost ~1 %% of "
+                         "a core each; the memory of all of them at once)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts a run")
     ap.add_argument("--concurrency", type=int, default=4, help="the client's concurrent requests")
     ap.add_argument("--tag", default="")
@@ -118,41 +178,43 @@ def main() -> int:
     model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
     workloads = args.workloads.split(",")
     runs: list[dict] = []
+    servers = [Server(label, None, env, flags) for label, env, flags in map(vllm_row, args.vllm or ["vLLM's own server="])]
+    servers += [Server(*s.split("=", 1)) for s in args.modeswitch or DEFAULT_MODESWITCH]
+    n, repeats = len(servers), args.repeats
+    # (server, seed) in the order run: each server's repeats in a row, or rounds over every server, rotated
+    order = ([(s, seed) for seed in range(repeats) for s in servers[seed % n:] + servers[:seed % n]] if args.interleave
+             else [(s, seed) for s in servers for seed in range(repeats)])
+    results: dict[tuple[str, str], list[dict]] = {(s.label, w): [] for s in servers for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        vllm = [(label, None, dict(kv.split("=", 1) for kv in shlex.split(env)))
-                for label, env in (s.split("=", 1) for s in args.vllm or ["vLLM's own server="])]
-        servers = vllm + [(*s.split("=", 1), None) for s in args.modeswitch or DEFAULT_MODESWITCH]
-        for label, flags, env in servers:
-            print(f"starting {label} ...", flush=True)
-            if flags is None:
-                proc, url, start_s = start_vllm(model_dir, args.model, tmp, env)
-            else:
-                t0 = time.perf_counter()
-                proc, url, _ = start_server(tmp, "--model", args.model, *shlex.split(flags), wait_s=900)
-                start_s = time.perf_counter() - t0
-            try:
+        try:
+            for server in servers if args.interleave else ():  # all up before the first run
+                server.start(model_dir, args.model, tmp)
+            for server, seed in order:
+                server.start(model_dir, args.model, tmp)
                 for workload in workloads:
-                    results = [bench(url, args.model, model_dir, workload, tmp / f"{len(runs)}-{seed}.json", seed,
-                                     args.prompts, args.concurrency) for seed in range(args.repeats)]
-                    tok_s = [r["output_throughput"] for r in results]
-                    runs.append({"server": label, "flags": flags, "env": env, "workload": workload,
-                                 "start_s": round(start_s, 1), "output_tok_s": statistics.median(tok_s),
-                                 "output_tok_s_range": [min(tok_s), max(tok_s)],
-                                 "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in results),
-                                 "tpot_p50_ms": statistics.median(r["median_tpot_ms"] for r in results),
-                                 "completed": sum(r["completed"] for r in results), "client": results})
-                    print(f"  {workload}: {runs[-1]['output_tok_s']:.1f} out tok/s ({', '.join(f'{t:.1f}' for t in tok_s)}),"
-                          f" TTFT p50 {runs[-1]['ttft_p50_ms']:.0f} ms", flush=True)
-                if flags is not None:
-                    cards = requests.get(f"{url}/v1/modes", timeout=30).json()["modes"]
-                    served = {c["name"]: c["stats"]["requests"] for c in cards if c.get("stats", {}).get("requests")}
-                    print(f"  requests by mode: {served}", flush=True)
-                    for r in runs:
-                        if r["server"] == label:
-                            r["requests_by_mode"] = served
-            finally:
-                stop(proc)
+                    r = bench(server.url, args.model, model_dir, workload, tmp / f"{servers.index(server)}-{workload}-{seed}.json",
+                              seed, args.prompts, args.concurrency)
+                    results[(server.label, workload)].append(r)
+                    print(f"  {server.label}, {workload}, seed {seed}: {r['output_throughput']:.1f} out tok/s, "
+                          f"TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
+                if not args.interleave and seed == repeats - 1:
+                    server.stop()
+        finally:
+            for server in servers:
+                server.stop()
+    for server in servers:
+        for workload in workloads:
+            client = results[(server.label, workload)]
+            tok_s = [r["output_throughput"] for r in client]
+            runs.append({"server": server.label, "flags": server.flags,
+                         "vllm": None if server.flags is not None else {"env": server.env, "flags": server.vllm_flags},
+                         "workload": workload, "start_s": round(server.start_s, 1),
+                         "output_tok_s": statistics.median(tok_s), "output_tok_s_range": [min(tok_s), max(tok_s)],
+                         "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in client),
+                         "tpot_p50_ms": statistics.median(r["median_tpot_ms"] for r in client),
+                         "completed": sum(r["completed"] for r in client), "client": client,
+                         **({"requests_by_mode": server.served} if server.flags is not None else {})})
     ref = {}
     for r in runs:  # the first vLLM server is the reference
         if r["flags"] is None:
@@ -177,7 +239,8 @@ def main() -> int:
                                                   "concurrency": args.concurrency, "runs": runs}, indent=1))
     (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
                                     f"\n\nvLLM's benchmark client: {args.prompts} prompts, {args.concurrency} concurrent, "
-                                    f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each, "
+                                    f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each"
+                                    f"{', in rounds over all servers resident at once' if args.interleave else ''}, "
                                     f"median (range: out tok/s of each run).\n\n{table}\n")
     print(f"wrote {out / stem}.json/.md")
     return 0
