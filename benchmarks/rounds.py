@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import PASSING, Bench, _tokenizer, learned_policy  # noqa: E402
 
 from modeswitch.bench import report  # noqa: E402
-from modeswitch.bench.workloads import TextSource  # noqa: E402
+from modeswitch.bench.workloads import TextSource, rotated_rounds  # noqa: E402
 from modeswitch.launcher import ROOT, start_server  # noqa: E402
 from modeswitch.resources import shipped_report  # noqa: E402
 
@@ -68,13 +68,12 @@ def main() -> int:
         contenders = [f"mode:{m}" for m in statics] + args.policies.split(",") + ["learned"]
         means: dict[str, list[float]] = {c: [] for c in contenders}
         mixes: dict[str, dict[str, int]] = {c: {} for c in contenders}
-        for r in range(args.rounds):
-            for name in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
-                summary = report.summarize(run_one(bench, tmp, name, r, args.learned_passes))
-                means[name].append(summary["mean_latency_s"])
-                for mode, n in summary["mode_mix"].items():
-                    mixes[name][mode] = mixes[name].get(mode, 0) + n
-                tqdm.write(f"round {r + 1} {name:24s} mean {means[name][-1]:.3f} s")
+        for r, name in rotated_rounds(contenders, args.rounds):
+            summary = report.summarize(run_one(bench, tmp, name, r, args.learned_passes))
+            means[name].append(summary["mean_latency_s"])
+            for mode, n in summary["mode_mix"].items():
+                mixes[name][mode] = mixes[name].get(mode, 0) + n
+            tqdm.write(f"round {r + 1} {name:24s} mean {means[name][-1]:.3f} s")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

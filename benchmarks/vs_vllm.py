@@ -41,6 +41,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor  # noqa: E402
+from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
 from modeswitch.launcher import ROOT, free_port, start_server  # noqa: E402
 
 CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
@@ -180,9 +181,9 @@ def main() -> int:
     runs: list[dict] = []
     servers = [Server(label, None, env, flags) for label, env, flags in map(vllm_row, args.vllm or ["vLLM's own server="])]
     servers += [Server(*s.split("=", 1)) for s in args.modeswitch or DEFAULT_MODESWITCH]
-    n, repeats = len(servers), args.repeats
+    repeats = args.repeats
     # (server, seed) in the order run: each server's repeats in a row, or rounds over every server, rotated
-    order = ([(s, seed) for seed in range(repeats) for s in servers[seed % n:] + servers[:seed % n]] if args.interleave
+    order = ([(s, seed) for seed, s in rotated_rounds(servers, repeats)] if args.interleave
              else [(s, seed) for s in servers for seed in range(repeats)])
     results: dict[tuple[str, str], list[dict]] = {(s.label, w): [] for s in servers for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ import pytest
 
 from modeswitch.bench import report
 from modeswitch.bench.client import send
-from modeswitch.bench.workloads import REFERENCE, Shape, TextSource, arrivals, prefix_reuse, trace
+from modeswitch.bench.workloads import REFERENCE, Shape, TextSource, arrivals, prefix_reuse, rotated_rounds, trace
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,9 @@ def test_runs_against_the_server_the_oracle_and_the_report(server, source, tmp_p
     pngs = report.plots(tmp_path, "t", runs, "paper", best)
     assert {p.name for p in pngs} == {"t_latency_cdf.png", "t_j_per_token.png", "t_mode_mix.png", "t_regret.png"}
     assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_rotated_rounds_run_every_contender_once_a_round_in_a_rotated_order():
+    order = rotated_rounds(["a", "b", "c"], 4)
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                     (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ..corpus import paragraphs
 
@@ -74,6 +75,16 @@ class TextSource:
             return out
 
         return take
+
+
+T = TypeVar("T")
+
+
+def rotated_rounds(contenders: list[T], count: int) -> list[tuple[int, T]]:
+    """(round, contender) for ``count`` rounds over every contender, each round's order rotated by one from the
+    last: a machine that slows down during a run slows every contender alike, and none always runs first."""
+    n = len(contenders)
+    return [(r, c) for r in range(count) for c in contenders[r % n:] + contenders[:r % n]]
 
 
 def trace(source: TextSource, shapes: list[Shape], count: int, run: int, seed: int = 0) -> list[Slot]:
