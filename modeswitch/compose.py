@@ -69,13 +69,16 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if config.gptq:
         preset = dataclasses.replace(preset, gptq=config.gptq)
     registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
-    registry.load(progress)
+    later = registry.load(progress, policy.first_modes if config.load.staged else ())
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
+    if later:
+        progress(f"staged start: loading {', '.join(s.name for s in later)} in the background")
+        registry.load_rest(later, progress, then=controller.rebind)
     return Service(registry, controller, preset.name)
 
 

@@ -32,6 +32,9 @@ class LoadConfig:
     decode: str = "auto"
     #: power assumed by the energy estimate where no energy counter exists (None: the device's default)
     power_watts: float | None = None
+    #: serve as soon as the modes a plain request goes to are up (the engine holding the policy's first mode),
+    #: and load the others in the background; False: serve once every mode is up
+    staged: bool = False
 
 
 @dataclass(frozen=True)

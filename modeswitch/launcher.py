@@ -29,9 +29,10 @@ SERVE = (str(ROOT / "serve.py"),)
 SERVE_FAKE = ("-m", "modeswitch.testing")
 
 
-def start_server(log_dir: Path, *args: str, wait_s: float = 600,
-                 entry: tuple[str, ...] = SERVE) -> tuple[subprocess.Popen, str, Path]:
-    """Run ``python ENTRY --port P *args``; return (process, base URL, log file) once /health answers 200."""
+def start_server(log_dir: Path, *args: str, wait_s: float = 600, entry: tuple[str, ...] = SERVE,
+                 all_modes: bool = True) -> tuple[subprocess.Popen, str, Path]:
+    """Run ``python ENTRY --port P *args``; return (process, base URL, log file) once /health answers 200 and,
+    with ``all_modes`` (what a measurement of the modes needs), no mode is still loading (a staged start)."""
     port = free_port()
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
@@ -44,10 +45,22 @@ def start_server(log_dir: Path, *args: str, wait_s: float = 600,
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log_file.read_text()[-4000:]}")
         try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
+            health = requests.get(url + "/health", timeout=2)
+            if health.status_code == 200:
+                if all_modes:
+                    wait_loaded(url, deadline - time.monotonic())
                 return proc, url, log_file
         except requests.RequestException:  # not listening yet, or the port answers something else while starting
             pass
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"server not ready in {wait_s} s:\n{log_file.read_text()[-4000:]}")
+
+
+def wait_loaded(url: str, wait_s: float = 900) -> None:
+    """Wait until a serving server has no mode left loading (``/health``'s ``modes_loading``: a staged start)."""
+    deadline = time.monotonic() + wait_s
+    while requests.get(url + "/health", timeout=10).json().get("modes_loading"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: modes still loading after {wait_s:.0f} s")
+        time.sleep(0.5)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from .backends import Backend, select_backend
 from .backends.base import Progress
@@ -101,6 +102,10 @@ class ModeState:
         return self.status == "available"
 
     @property
+    def loading(self) -> bool:
+        return self.status == "loading"
+
+    @property
     def in_flight(self) -> int:
         return self.engine.in_flight if self.engine is not None else 0
 
@@ -178,6 +183,7 @@ class ModeRegistry:
         #: KV bytes per token of one sequence (what a request on a mode without reserved KV allocates)
         self.kv_bytes_per_token = 0
         self.load_seconds: dict[str, float] = {}
+        self._closing = threading.Event()
 
     @property
     def engine_kind(self) -> str:
@@ -212,16 +218,54 @@ class ModeRegistry:
         self.plan = plan
         return plan
 
-    def load(self, progress: Progress = log.info) -> None:
-        """Plan, build every mode's engine, warm each one up.
+    def load(self, progress: Progress = log.info, first: Sequence[str] = ()) -> list[ModeState]:
+        """Plan, then build and warm up the modes: all of them, or with ``first`` (modes in order of
+        preference: what the policy sends a plain request to) only the first of them that could be planned
+        and the modes sharing its weights. The others are left ``loading`` and returned, for
+        :meth:`load_rest`; none are when no mode of ``first`` comes up (then everything loads here).
 
         Raises only when the reference weights are missing or the plan exceeds the budget; any other
         failure makes just that mode unavailable.
         """
         plan = self._plan_memory(progress)
+        planned = [state for state in self.modes.values() if not state.reason]
         for state in self.modes.values():
             if state.reason:  # found unavailable while planning
                 progress(f"mode {state.name}: unavailable ({state.reason})")
+        lead = next((name for name in first if name in self.modes and not self.modes[name].reason), None)
+        if lead is None:
+            self._build_all(planned, plan, progress)
+            return []
+        holder = plan.mode_bytes(lead)["weights_variant"]
+        now = [s for s in planned if plan.mode_bytes(s.name)["weights_variant"] == holder]
+        later = [s for s in planned if s not in now]
+        for state in later:
+            state.status = "loading"
+        self._build_all(now, plan, progress)
+        if not any(state.available for state in now):
+            self._build_all(later, plan, progress)
+            return []
+        return later
+
+    def load_rest(self, states: list[ModeState], progress: Progress = log.info,
+                  then: Callable[[], None] = lambda: None) -> threading.Thread:
+        """Build ``states`` (what :meth:`load` left loading) on a background thread while the others serve,
+        then call ``then`` (the controller re-reads which modes share a batch)."""
+        def run() -> None:
+            started = time.perf_counter()
+            self._build_all(states, self.plan, progress)
+            then()
+            progress(f"all modes loaded, {time.perf_counter() - started:.0f} s after the first served: "
+                     f"{', '.join(s.name for s in self.available())} available")
+
+        thread = threading.Thread(target=run, name="load-rest", daemon=True)
+        thread.start()
+        return thread
+
+    def _build_all(self, states: list[ModeState], plan: MemoryPlan, progress: Progress) -> None:
+        for state in states:
+            if self._closing.is_set():  # shut down while a staged start was loading: start nothing more
+                state.status, state.reason = "unavailable", "the server shut down before it loaded"
                 continue
             started = time.perf_counter()
             try:
@@ -235,7 +279,6 @@ class ModeRegistry:
                 state.engine, state.details, state.shared_batch = built.engine, dict(built.details), built.batch or ""
                 if built.cost is not None:
                     built.engine.attach_energy(self.energy, built.cost)
-                state.status, state.reason = "available", ""
                 self._warm_up(state)
             self.load_seconds[f"mode:{state.name}"] = time.perf_counter() - started
             progress(f"mode {state.name}: {state.status}{' (' + state.reason + ')' if state.reason else ''}")
@@ -251,6 +294,7 @@ class ModeRegistry:
                     raise RuntimeError(event.info.get("error"))
                 if event.kind == "done":
                     break
+            state.status = "available"  # last: a mode serves once its state is complete
         except (queue.Empty, RuntimeError) as exc:
             state.engine.close()
             state.status, state.reason, state.engine = "unavailable", f"failed warm-up: {exc or 'timeout'}", None
@@ -258,6 +302,9 @@ class ModeRegistry:
     # ------------------------------------------------------------------ queries
     def available(self) -> list[ModeState]:
         return [m for m in self.modes.values() if m.available]
+
+    def loading(self) -> list[ModeState]:
+        return [m for m in self.modes.values() if m.loading]
 
     def prefix_matches(self, prompt_ids: list[int]) -> dict[str, int]:
         """Per mode that reads a prefix cache, the leading prompt tokens it would reuse (the controller's feature)."""
@@ -312,6 +359,7 @@ class ModeRegistry:
         return self.backend.describe()
 
     def close(self) -> None:
+        self._closing.set()
         for state in self.modes.values():
             if state.engine is not None:
                 state.engine.close()

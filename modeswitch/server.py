@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "on a GPU), and CUDA graphs for continuous batching; on vLLM engines, vLLM's compiled model; "
                         "eager: generate() / vLLM's eager model; auto: compiled on GPUs and on vLLM engines (vLLM's "
                         "own default), eager on the transformers engine on a CPU")
+    p.add_argument("--staged-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve as soon as the engine of the policy's first mode is up and load the other modes in "
+                        "the background (/health counts them in modes_loading; /v1/modes lists them as loading); "
+                        "--no-staged-start: listen once every mode is up")
     p.add_argument("--exit-when-ready", action="store_true",
                    help="load every mode, then exit 0 instead of serving: fills the compile caches, so that the "
                         "next start loads compiled kernels (make setup runs it)")
@@ -82,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     except ValueError as exc:
         raise ConfigError(f"--memory-budget: {exc}") from None
     load = LoadConfig(engine=args.engine, device=args.device, dtype=args.dtype, memory_budget=budget,
-                      max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts)
+                      max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts,
+                      staged=args.staged_start and not args.exit_when_ready)
     http = HttpConfig(host=args.host, port=args.port, threads=args.threads, api_key=args.api_key,
                       max_inflight_per_client=args.max_inflight_per_client, drain_timeout=args.drain_timeout,
                       unauthenticated_admin=args.unauthenticated_admin)
@@ -161,8 +166,10 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     signal.signal(signal.SIGUSR1, on_sigusr1)
     server = create_server(assembled.app, sockets=[listener], threads=http.threads, channel_timeout=600)
     available = ", ".join(m.name for m in service.registry.available())
-    log.info("ready in %.1f s: model %s, modes available: %s; listening on http://%s:%s",
-             time.perf_counter() - started, service.model_name, available, http.host, server.effective_port)
+    loading = ", ".join(m.name for m in service.registry.loading())
+    log.info("ready in %.1f s: model %s, modes available: %s%s; listening on http://%s:%s",
+             time.perf_counter() - started, service.model_name, available,
+             f" (loading: {loading})" if loading else "", http.host, server.effective_port)
     try:
         server.run()
     except (KeyboardInterrupt, SystemExit):

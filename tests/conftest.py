@@ -23,7 +23,7 @@ import requests
 
 from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
-from modeswitch.config import HttpConfig, ServerConfig
+from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
 from modeswitch.launcher import ROOT, start_server
 from modeswitch.testing.backend import FakeBackend
 
@@ -79,17 +79,20 @@ class App:
 
 @pytest.fixture
 def make_app(tmp_path):
-    """``make_app(modes=..., policy=YAML text, scripts={mode: Script}, unavailable={mode: reason}, **http)``."""
+    """``make_app(modes=..., policy=YAML text, scripts={mode: Script}, unavailable={mode: reason}, **http)``;
+    ``staged=True, held=(modes,)``: a staged start whose held modes load once ``app.backend.release`` is set."""
     made: list[App] = []
 
     def make(modes=DEFAULT_FAKE_MODES, policy: str | None = None, scripts=None, unavailable=None,
-             context_length: int = 2048, modes_dirs=(), admin_dirs=(), **http) -> App:
+             context_length: int = 2048, modes_dirs=(), admin_dirs=(), staged: bool = False, held=(),
+             **http) -> App:
         policy_file = tmp_path / "policies" / f"policy{len(made)}.yaml"
         policy_file.parent.mkdir(exist_ok=True)
         policy_file.write_text(policy or f"name: test\nrules: []\ndefault: [{modes[0]}]\n")
         config = ServerConfig(model="demo", modes=tuple(modes), modes_dirs=tuple(modes_dirs), policy=policy_file,
-                              gate_report="none", admin_dirs=tuple(admin_dirs), http=HttpConfig(**http))
-        backend = FakeBackend(scripts, unavailable, context_length)
+                              gate_report="none", admin_dirs=tuple(admin_dirs), http=HttpConfig(**http),
+                              load=LoadConfig(staged=staged))
+        backend = FakeBackend(scripts, unavailable, context_length, held=held)
         app = App(build_app(config, progress=lambda s: None, backend=backend), backend, policy_file)
         made.append(app)
         return app

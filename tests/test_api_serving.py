@@ -73,6 +73,26 @@ def test_each_choice_of_a_multi_prompt_response_names_its_mode(make_app):
     assert resp.headers["X-ModeSwitch-Mode"] == "fp16,prefix_cache"
 
 
+def test_a_staged_start_serves_from_the_policys_first_engine_while_the_others_load(make_app):
+    policy = ("name: staged\nrules:\n  - name: long\n    when: {max_tokens: {ge: 50}}\n    use: [int8]\n"
+              "default: [prefix_cache]\n")
+    app = make_app(modes=("fp16", "prefix_cache", "int8"), policy=policy, staged=True, held=("int8",))
+    health = app.get("/health")
+    assert health.status_code == 200 and health.get_json()["modes_loading"] == 1
+    assert {n: m["status"] for n, m in app.modes().items()} == \
+        {"fp16": "available", "prefix_cache": "available", "int8": "loading"}
+    long = app.complete("Hello", max_tokens=60)["modeswitch"]  # its rule's mode is loading: served all the same
+    assert long["mode"] in ("fp16", "prefix_cache") and "while those load" in long["reason"]
+    pinned = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "mode": "int8"})
+    assert pinned.status_code == 503 and pinned.headers["Retry-After"].isdigit()
+    assert pinned.get_json()["error"]["code"] == "mode_loading"
+    app.backend.release.set()
+    deadline = time.monotonic() + 5
+    while app.get("/health").get_json()["modes_loading"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert app.complete("Hello", max_tokens=60)["modeswitch"]["mode"] == "int8"
+
+
 def test_failing_mode_is_retried_elsewhere_then_quarantined(make_app):
     app = make_app(policy=RETRY_POLICY, scripts={"fp16": Script(fault=True)})
     first = app.complete("The capital of France is")

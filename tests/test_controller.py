@@ -30,6 +30,7 @@ class Mode:
     name: str
     batch: str = ""
     available: bool = True
+    loading: bool = False
     reason: str = ""
     in_flight: int = 0
     max_queue: int = 4
@@ -55,6 +56,8 @@ LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon
 @pytest.mark.parametrize("mode, request_features, code, detail", [
     (Mode("gptq", available=False, reason="no GPTQ checkpoint"), {}, Code.UNAVAILABLE,
      "unavailable: no GPTQ checkpoint"),
+    (Mode("gptq", available=False, loading=True), {}, Code.LOADING,
+     "loading: its engine starts after the server began serving"),
     (Mode("gptq", quarantine_left=4.2, last_error="CUDA OOM"), {}, Code.QUARANTINED,
      "quarantined for 4 s after: CUDA OOM"),
     (Mode("gptq", supports_sampling=False), {"greedy": 0}, Code.CAPABILITY,
@@ -85,8 +88,8 @@ def test_the_controller_codes_modes_left_out_or_excluded_and_the_quality_gate_co
     assert filtered["continuous_batching"] == Verdict(Code.NOT_LOADED, "not loaded (--modes)")
 
 
-def test_waiting_helps_only_for_saturation_quarantine_and_memory():
-    assert {c for c in Code if c.transient} == {Code.SATURATED, Code.QUARANTINED, Code.MEMORY}
+def test_waiting_helps_only_for_saturation_quarantine_memory_and_loading():
+    assert {c for c in Code if c.transient} == {Code.SATURATED, Code.QUARANTINED, Code.MEMORY, Code.LOADING}
     assert set(PRECEDENCE) == set(Code)
 
 
@@ -106,6 +109,20 @@ def test_a_refusal_carries_the_most_hopeful_code_of_its_verdicts():
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(greedy=0))
     assert exc.value.code is Code.CAPABILITY and not exc.value.code.transient
+
+
+def test_while_the_policys_modes_load_a_request_goes_to_a_mode_that_passed_every_gate():
+    ctl = controller("rules: []\ndefault: [gptq]\n", Mode("fp16", supports_sampling=False),
+                     Mode("gptq", available=False, loading=True), Mode("int8"))
+    decision = ctl.decide(feats(greedy=0))
+    assert (decision.mode, decision.rule) == ("int8", "while-loading")  # fp16 fails the capability gate
+    assert "served by int8 while those load" in decision.reason
+    with pytest.raises(NoEligibleMode) as exc:  # pinned: no substitute
+        ctl.decide(feats(), pinned="gptq")
+    assert exc.value.code is Code.LOADING and exc.value.code.transient
+    ctl.modes["gptq"].loading = False  # failed to load: nothing stands in for it
+    with pytest.raises(NoEligibleMode):
+        ctl.decide(feats())
 
 
 def test_a_pinned_mode_is_refused_with_its_own_code():

@@ -125,6 +125,18 @@ def test_modes_sharing_a_batch_are_explored_and_learned_as_one(tmp_path):
     assert [alone.choose(f, {}).mode for _ in range(2)] == ["fp16", "prefix_cache"]
 
 
+def test_rebinding_keeps_what_unchanged_batches_learned_and_groups_modes_that_came_up():
+    policy = policy_from("type: learned\nmodes: [fp16, prefix_cache, int8, int8+prefix_cache]\n")
+    f = feats(prompt_tokens=64, max_tokens=8)
+    # a staged start: the int8 engine's modes serve, fp16's are loading (alone, no batch yet)
+    policy.bind({"int8": "int8", "int8+prefix_cache": "int8"})
+    teach(policy, "int8", f, 0.02)
+    learned_int8 = policy.models["int8"]
+    policy.bind({"int8": "int8", "int8+prefix_cache": "int8", "fp16": "fp16", "prefix_cache": "fp16"})
+    assert policy.models["int8+prefix_cache"] is learned_int8 and learned_int8.n == 1
+    assert policy.models["prefix_cache"] is policy.models["fp16"] and policy.models["fp16"].n == 0
+
+
 def test_a_request_on_another_engine_is_charged_the_device_time_it_takes_from_the_running_batch():
     text = "type: learned\nmodes: [prefix_cache, fp16, speculative]\nexplore: {min_samples: 2, epsilon: 0}\n"
     batches, batching = {"prefix_cache": "fp16", "fp16": "fp16"}, frozenset({"prefix_cache", "fp16", "speculative"})

@@ -141,3 +141,32 @@ def test_a_plan_over_the_budget_is_refused_before_anything_is_built():
     with pytest.raises(MemoryBudgetExceeded, match="load fewer modes"):
         registry(backend, budget=GIB)
     assert not backend.closed
+
+
+def test_a_staged_load_builds_the_first_modes_weights_now_and_the_rest_in_the_background():
+    backend = _Backend(missing={"gptq"})
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=8 * GIB), backend=backend)
+    release, done = threading.Event(), threading.Event()
+    build = backend.build
+    backend.build = lambda spec, plan, progress: (release.wait(), build(spec, plan, progress))[1]
+    release.set()  # the first stage builds at once
+    # gptq (first preference) could not be planned: prefix_cache leads, with every mode on its weights
+    later = reg.load(lambda line: None, first=("gptq", "prefix_cache", "int8"))
+    assert [s.name for s in later] == ["int8"]
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "broken_warm_up"]
+    assert reg.modes["int8"].loading and not reg.modes["int8"].available and reg.modes["gptq"].reason
+    release.clear()
+    thread = reg.load_rest(later, lambda line: None, then=done.set)
+    assert not done.wait(0.2) and [m.name for m in reg.loading()] == ["int8"]
+    release.set()
+    thread.join(5)
+    assert done.is_set() and reg.modes["int8"].available and not reg.loading()
+    reg.close()
+
+
+def test_a_staged_load_whose_first_modes_fail_loads_everything_before_serving():
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=8 * GIB),
+                       backend=_Backend(broken={"gptq"}))
+    assert reg.load(lambda line: None, first=("gptq",)) == []
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "int8", "broken_warm_up"] and not reg.loading()
+    reg.close()

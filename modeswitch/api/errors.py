@@ -37,7 +37,8 @@ RETRY_AFTER_S = 1
 
 #: The error code of a 503 by why no mode could take the request (the controller's verdict codes); any
 #: other code answers ``no_eligible_mode``. Every 503 says when to retry.
-NO_MODE_CODES = {Code.SATURATED: "overloaded", Code.QUARANTINED: "mode_quarantined", Code.MEMORY: "insufficient_memory"}
+NO_MODE_CODES = {Code.SATURATED: "overloaded", Code.QUARANTINED: "mode_quarantined", Code.MEMORY: "insufficient_memory",
+                 Code.LOADING: "mode_loading"}
 
 
 def no_eligible_mode(exc, pinned: bool) -> ApiError:

@@ -122,6 +122,7 @@ class ModeList(_Open):
 class Health(_Open):
     status: str
     modes_available: int
+    modes_loading: int  # a staged start's modes still coming up (benchmarks wait for 0)
 
 
 class PolicyInfo(_Open):

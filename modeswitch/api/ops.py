@@ -22,7 +22,8 @@ def health():
     available = len(c.service.registry.available())
     status = 200 if available else 503
     return jsonify({"status": "ok" if available else "no mode available", "model": c.service.model_name,
-                    "modes_available": available, "in_flight": c.admission.active,
+                    "modes_available": available, "modes_loading": len(c.service.registry.loading()),
+                    "in_flight": c.admission.active,
                     "draining": c.admission.draining}), status
 
 

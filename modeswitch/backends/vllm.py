@@ -39,6 +39,7 @@ class VllmBackend:
         #: vLLM's compiled server's output tok/s, compiled ones 0.92x / 0.81x (TPOT p50 128 / 102 ms against
         #: 94), ready in 100 s with Inductor's cache warm (``make setup`` warms it) against 55-69 s eager
         self.compiled = load.decode != "eager"
+        self.staged = load.staged
         self.device = str(self.checkpoint.device)
         self._specs: dict[str, ModeSpec] = {}
         self._runners: dict[str, VllmRunner] = {}
@@ -105,17 +106,17 @@ class VllmBackend:
             max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
             enforce_eager=not self.compiled, speculative_config=speculative)
 
-    def _start_engines(self, plan: MemoryPlan, progress: Progress) -> None:
-        """Start every planned engine at once, each on its own thread: most of an engine's start is its
+    def _start_engines(self, keys: list[str], plan: MemoryPlan, progress: Progress) -> None:
+        """Start the engines ``keys`` at once, each on its own thread: most of an engine's start is its
         processes importing, loading and warming up one after another, so on a CPU four engines start in
         about the time of two. On a GPU they start one at a time, as vLLM's start-up memory check expects to
         see the device alone."""
-        workers = len(plan.users) if self.checkpoint.device.type == "cpu" else 1
+        workers = len(keys) if self.checkpoint.device.type == "cpu" else 1
         quiet_environment(str(cache_dir()))
-        progress(f"starting {len(plan.users)} vLLM engine(s), {workers} at a time: " +
-                 "; ".join(f"{key} for {', '.join(modes)}" for key, modes in plan.users.items()))
+        progress(f"starting {len(keys)} vLLM engine(s), {workers} at a time: " +
+                 "; ".join(f"{key} for {', '.join(plan.users[key])}" for key in keys))
         pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="vllm-start")
-        for key in plan.users:
+        for key in keys:
             self._starting[key] = pool.submit(self._start_engine, key, plan, progress)
         pool.shutdown(wait=False)
 
@@ -132,8 +133,12 @@ class VllmBackend:
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
         key = self.runner_key(spec)
-        if not self._starting:
-            self._start_engines(plan, progress)
+        if key not in self._starting:
+            # a staged start has the first mode's engine start alone (on 2 cores four engines starting
+            # together took 197-289 s, one alone 71 s), then every other engine together
+            first_of_staged = self.staged and not self._starting
+            self._start_engines([key] if first_of_staged else [k for k in plan.users if k not in self._starting],
+                                plan, progress)
         if key in self._failed:  # its engine failed to start for an earlier mode: do not wait for it twice
             raise RuntimeError(self._failed[key])
         runner = self._runners.get(key)

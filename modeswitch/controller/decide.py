@@ -65,7 +65,12 @@ class Controller:
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
         self._observers: list[Observer] = []
         self._reload_lock = threading.Lock()
-        policy.bind(self.batches(), self.batching())
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Tell the policy which modes share a batch, as the modes stand now (again once the modes of a
+        staged start have come up)."""
+        self.policy.bind(self.batches(), self.batching())
 
     def batches(self) -> dict[str, str]:
         """Each resident mode's running batch (what a policy may learn once for all the modes sharing it)."""
@@ -108,6 +113,10 @@ class Controller:
                 prediction = None
                 mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
                                             f"{spare} (its KV is reserved at start)", "memory-degrade"
+            elif choice.mode is None and (spare := self._while_loading(filtered)) is not None:
+                prediction = None
+                mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; served by {spare} while " \
+                                            "those load", "while-loading"
             elif choice.mode is None:
                 raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
             else:
@@ -135,6 +144,13 @@ class Controller:
         """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
         gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
         if features.memory_headroom >= policy.memory.min_headroom:
+            return None
+        return next((name for name in self.modes if name not in filtered), None)
+
+    def _while_loading(self, filtered: Mapping[str, Verdict]) -> str | None:
+        """While a staged start loads modes the policy prefers, any mode that passed every gate rather than
+        an error (the request gets the same answer, later modes or not)."""
+        if not any(v.code is Code.LOADING for v in filtered.values()):
             return None
         return next((name for name in self.modes if name not in filtered), None)
 

@@ -34,13 +34,18 @@ class Gate(Protocol):
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None: ...
 
 
+_LOADING = Verdict(Code.LOADING, "loading: its engine starts after the server began serving")
+
+
 class AvailableGate:
     """The mode was built and warmed up."""
 
     name = "available"
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        return None if mode.available else Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
+        if mode.available:
+            return None
+        return _LOADING if mode.loading else Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
 
 
 class QuarantineGate:

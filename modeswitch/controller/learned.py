@@ -263,6 +263,8 @@ class LearnedPolicy:
         self._rng = random.Random(self.explore.seed)
         self.batching: frozenset[str] = frozenset()
         self._saved = self._read_saved()
+        self.siblings: dict[str, tuple[str, ...]] = {}
+        self.models = {}
         self._group({})
 
     def _read_saved(self) -> tuple[str, Any] | None:
@@ -281,17 +283,28 @@ class LearnedPolicy:
         return None
 
     def _group(self, batches: Mapping[str, str]) -> None:
-        """One model per running batch, shared by its modes, filled from the state file or the warm start."""
-        groups: dict[str, list[str]] = {}
+        """One model per running batch, shared by its modes. A group whose modes are unchanged keeps its model
+        and what it learned (modes of a staged start join their batches when they come up); a new group's
+        model is filled from the state file or the warm start."""
+        groups: dict[str, tuple[str, ...]] = {}
         for m in self.modes:
-            groups.setdefault(batches.get(m) or m, []).append(m)
+            groups[batches.get(m) or m] = (*groups.get(batches.get(m) or m, ()), m)
+        kept = {group[0]: self.models[group[0]] for group in groups.values()
+                if all(self.siblings.get(m) == group for m in group)}
+        fresh = {group[0]: ModeModel(self.forgetting) for group in groups.values() if group[0] not in kept}
+        shared = {**kept, **fresh}
         #: per mode, the modes sharing its running batch (itself included)
-        self.siblings: dict[str, tuple[str, ...]] = {m: tuple(group) for group in groups.values() for m in group}
-        shared = {group[0]: ModeModel(self.forgetting) for group in groups.values()}
+        self.siblings = {m: group for group in groups.values() for m in group}
         self.models = {m: shared[self.siblings[m][0]] for m in self.modes}
-        if self._saved is not None:
+        if self._saved is not None and fresh:
             kind, data = self._saved
-            self._load_state(data) if kind == "state" else self._replay(data)
+            new = {m for m in self.modes if self.siblings[m][0] in fresh}
+            self._load_state(data, new) if kind == "state" else self._replay(data, new)
+
+    @property
+    def first_modes(self) -> tuple[str, ...]:
+        """Any mode may win a plain request: the file's order."""
+        return self.modes
 
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
@@ -307,8 +320,9 @@ class LearnedPolicy:
         """Share one model among the modes of each running batch (modes the server does not name run alone);
         ``batching``: the modes whose engine batches requests. Called by the controller before the policy
         decides anything; what was restored fills the new models."""
-        self.batching = frozenset(batching)
-        self._group(batches)
+        with self._lock:
+            self.batching = frozenset(batching)
+            self._group(batches)
 
     # ------------------------------------------------------------------ deciding
     def elsewhere(self, mode: str, f: Features) -> int:
@@ -395,11 +409,11 @@ class LearnedPolicy:
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
 
-    def _replay(self, records: list[dict]) -> None:
-        """Replay a benchmark run's per-request records (``benchmarks/run.py`` JSON's ``records``)."""
+    def _replay(self, records: list[dict], modes: set[str]) -> None:
+        """Replay a benchmark run's per-request records (``benchmarks/run.py`` JSON's ``records``) on ``modes``."""
         used = 0
         for r in records:
-            if r.get("mode") in self.models and r.get("ok") and r.get("features"):
+            if r.get("mode") in modes and r.get("ok") and r.get("features"):
                 f = features_from(r["features"])
                 self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"),
                                               self.siblings[r["mode"]])
@@ -420,12 +434,13 @@ class LearnedPolicy:
         os.replace(tmp, self.state_path)
         self._since_save = 0
 
-    def _load_state(self, data: dict) -> None:
+    def _load_state(self, data: dict, modes: set[str]) -> None:
+        """Fill the models of ``modes`` from a saved state."""
         for mode, saved in data.get("modes", {}).items():
             # modes sharing a batch share a model: the one saved with the most observations fills it
-            if mode in self.models and int(saved["ttft"]["n"]) >= self.models[mode].n:
+            if mode in modes and int(saved["ttft"]["n"]) >= self.models[mode].n:
                 self.models[mode].load(saved)
-        self.decisions = int(data.get("decisions", 0))
+        self.decisions = max(self.decisions, int(data.get("decisions", 0)))
 
 
 def features_from(d: Mapping[str, Any]) -> Features:

@@ -70,6 +70,10 @@ class Policy(Protocol):
     def quality(self) -> QualityPolicy: ...
 
     @property
+    def first_modes(self) -> tuple[str, ...]:
+        """The modes a plain request goes to, in order of preference (what a staged start loads first)."""
+
+    @property
     def energy(self) -> EnergyPolicy: ...
 
     @property

@@ -137,6 +137,11 @@ class RulePolicy:
             skipped.append(f"{name}: {blocked}")
         return Choice(None, f"{why}; no eligible mode: {'; '.join(skipped)}", rule.name if rule else None)
 
+    @property
+    def first_modes(self) -> tuple[str, ...]:
+        """A request no rule matches goes to the default list, then the fallback."""
+        return tuple(_unique(self.default + self.fallback))
+
     def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
         """The policy's caps on ``mode``, and the matching rule's for this request."""
         last_features, rule = self._last_match.pair

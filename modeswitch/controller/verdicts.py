@@ -17,6 +17,7 @@ class Code(enum.Enum):
 
     NOT_LOADED = "not_loaded"    # defined, but left out of this server (--modes)
     EXCLUDED = "excluded"        # it failed an earlier attempt of this request
+    LOADING = "loading"          # it is still being built, after the server began serving (staged start)
     UNAVAILABLE = "unavailable"  # it could not be built or warmed up
     QUARANTINED = "quarantined"  # it failed a request recently and is backing off
     CAPABILITY = "capability"    # it cannot honour the request (sampling, prompt logprobs)
@@ -27,15 +28,15 @@ class Code(enum.Enum):
 
     @property
     def transient(self) -> bool:
-        """Whether waiting helps: queues drain, quarantines end, memory is freed."""
+        """Whether waiting helps: queues drain, quarantines end, memory is freed, loading modes come up."""
         return self in TRANSIENT
 
 
-TRANSIENT = frozenset({Code.SATURATED, Code.QUARANTINED, Code.MEMORY})
+TRANSIENT = frozenset({Code.SATURATED, Code.QUARANTINED, Code.MEMORY, Code.LOADING})
 
 #: When every mode is filtered, the code a refusal carries: the most hopeful first (waiting helps, the
 #: soonest first), then the most specific to this request, then the ones about the mode alone.
-PRECEDENCE = (Code.SATURATED, Code.QUARANTINED, Code.MEMORY, Code.CAPABILITY, Code.QUALITY, Code.ENERGY,
+PRECEDENCE = (Code.SATURATED, Code.QUARANTINED, Code.LOADING, Code.MEMORY, Code.CAPABILITY, Code.QUALITY, Code.ENERGY,
               Code.EXCLUDED, Code.UNAVAILABLE, Code.NOT_LOADED)
 
 

@@ -23,6 +23,10 @@ class ModeView(Protocol):
         """Built and warmed up."""
 
     @property
+    def loading(self) -> bool:
+        """Still being built after the server began serving (a staged start): available soon."""
+
+    @property
     def reason(self) -> str:
         """Why it is unavailable (empty when available)."""
 

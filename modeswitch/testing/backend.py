@@ -7,7 +7,8 @@ served here) is said per mode in :class:`Script` objects or ``unavailable`` reas
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import threading
+from typing import Any, Collection, Mapping
 
 from ..backends.base import BuiltMode, ModelInfo, Progress
 from ..memory import Footprint, MemoryPlan
@@ -27,9 +28,11 @@ class FakeBackend:
     device = "cpu"
 
     def __init__(self, scripts: Mapping[str, Script] | None = None, unavailable: Mapping[str, str] | None = None,
-                 context_length: int = 2048, default: Script = Script()) -> None:
+                 context_length: int = 2048, default: Script = Script(), held: Collection[str] = ()) -> None:
         """``scripts``: how each mode behaves (others follow ``default``: instant); ``unavailable``: modes that
-        cannot be served here, with the reason the registry shows."""
+        cannot be served here, with the reason the registry shows; ``held``: modes whose build waits until
+        :attr:`release` is set (an engine still starting)."""
+        self.held, self.release = frozenset(held), threading.Event()
         self.scripts = dict(scripts or {})
         self.default = default
         self.unavailable = dict(unavailable or {})
@@ -47,6 +50,8 @@ class FakeBackend:
                          {spec.weights: WEIGHTS_BYTES})
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
+        if spec.name in self.held:
+            self.release.wait()
         engine = self.engines[spec.name] = FakeEngine(spec, self.scripts.get(spec.name, self.default))
         return BuiltMode(engine, {"script": repr(engine.script)})
 
