@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from modeswitch.api.openapi import ModeList
 from modeswitch.testing.engine import Script
 
 RETRY_POLICY = "name: retry\nrules: []\ndefault: [fp16]\nfallback: [prefix_cache]\n"
@@ -79,7 +80,9 @@ def test_a_staged_start_serves_from_the_policys_first_engine_while_the_others_lo
     app = make_app(modes=("fp16", "prefix_cache", "int8"), policy=policy, staged=True, held=("int8",))
     health = app.get("/health")
     assert health.status_code == 200 and health.get_json()["modes_loading"] == 1
-    assert {n: m["status"] for n, m in app.modes().items()} == \
+    listing = app.get("/v1/modes").get_json()
+    ModeList.model_validate(listing)  # as published in /openapi.json
+    assert {m["name"]: m["status"] for m in listing["modes"]} == \
         {"fp16": "available", "prefix_cache": "available", "int8": "loading"}
     long = app.complete("Hello", max_tokens=60)["modeswitch"]  # its rule's mode is loading: served all the same
     assert long["mode"] in ("fp16", "prefix_cache") and "while those load" in long["reason"]

@@ -108,7 +108,7 @@ class ModelList(_Open):
 
 class ModeCard(_Open):
     name: str
-    status: Literal["available", "unavailable", "quarantined"]
+    status: Literal["available", "loading", "unavailable", "quarantined"]
     engine: str
     reason: str
 
