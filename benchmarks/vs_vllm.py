@@ -10,7 +10,9 @@ reports the median and the range: one run of 16 short prompts moves by 5-10 %. `
 server first and runs the repeats in rounds over all of them: on a machine whose speed drifts (a shared VM here
 gave vLLM's server 38.6 and 29.2 out tok/s on the same prompts half an hour apart) servers run one after
 another compare different machines. For a ModeSwitch server the
-JSON also keeps how many requests each mode served (``/v1/modes``), over all its runs.
+JSON also keeps how many requests each mode served (``/v1/modes``), over all its runs. Each row also gives the
+CPU time per output token of the server's own process (HTTP, tokenizing, the engine client) and of its engine
+processes: a front end that takes CPU from the engines on a small machine shows there.
 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
                                            [--vllm "label=ENV=VALUE ..." ...] [--repeats N]
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,6 +68,20 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds a server has used: its own process (HTTP, tokenizing, the engine client: the front end) and
+    its descendants (vLLM's engine cores and workers), so that the cost of each side per token is compared."""
+    proc = psutil.Process(pid)
+    own = sum(proc.cpu_times()[:2])
+    children = 0.0
+    for child in proc.children(recursive=True):
+        try:
+            children += sum(child.cpu_times()[:2])
+        except psutil.Error:  # gone meanwhile
+            pass
+    return own, children
 
 
 def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
@@ -198,11 +215,14 @@ def main() -> int:
             for server, seed in order:
                 server.start(model_dir, args.model, tmp)
                 for workload in workloads:
+                    before = cpu_seconds(server.proc.pid)
                     r = bench(server.url, args.model, model_dir, workload, tmp / f"{servers.index(server)}-{workload}-{seed}.json",
                               seed, args.prompts, args.concurrency)
+                    r["front_cpu_s"], r["engine_cpu_s"] = (b - a for a, b in zip(before, cpu_seconds(server.proc.pid)))
                     results[(server.label, workload)].append(r)
                     print(f"  {server.label}, {workload}, seed {seed}: {r['output_throughput']:.1f} out tok/s, "
-                          f"TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
+                          f"TTFT p50 {r['median_ttft_ms']:.0f} ms, CPU front {r['front_cpu_s']:.1f} s, "
+                          f"engines {r['engine_cpu_s']:.1f} s", flush=True)
                 if not args.interleave and seed == repeats - 1:
                     server.stop()
         finally:
@@ -219,14 +239,19 @@ def main() -> int:
                          "output_tok_s": statistics.median(tok_s), "output_tok_s_range": [min(tok_s), max(tok_s)],
                          "ttft_p50_ms": statistics.median(r["median_ttft_ms"] for r in client),
                          "tpot_p50_ms": statistics.median(r["median_tpot_ms"] for r in client),
+                         # CPU per output token: the server's own process, and its engine processes
+                         "front_cpu_ms_per_token": statistics.median(
+                             1000 * r["front_cpu_s"] / max(r["total_output_tokens"], 1) for r in client),
+                         "engine_cpu_ms_per_token": statistics.median(
+                             1000 * r["engine_cpu_s"] / max(r["total_output_tokens"], 1) for r in client),
                          "completed": sum(r["completed"] for r in client), "client": client,
                          **({"requests_by_mode": server.served} if server.flags is not None else {})})
     ref = {}
     for r in runs:  # the first vLLM server is the reference
         if r["flags"] is None:
             ref.setdefault(r["workload"], r)
-    lines = ["| server | workload | out tok/s | range | vs vLLM | TTFT p50 ms | vs vLLM | TPOT p50 ms | ready s | all modes s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | workload | out tok/s | range | vs vLLM | TTFT p50 ms | vs vLLM | TPOT p50 ms | CPU ms/token: front / engines | ready s | all modes s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         base = ref[r["workload"]]
         r["tok_s_ratio"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
@@ -234,7 +259,8 @@ def main() -> int:
         low, high = r["output_tok_s_range"]
         lines.append(f"| {r['server']} | {r['workload']} | {r['output_tok_s']:.1f} | {low:.1f}-{high:.1f} | "
                      f"{r['tok_s_ratio']:.2f}x | {r['ttft_p50_ms']:.0f} | {r['ttft_ratio']:.2f}x | "
-                     f"{r['tpot_p50_ms']:.1f} | {r['start_s']:.0f} | {r['loaded_s']:.0f} |")
+                     f"{r['tpot_p50_ms']:.1f} | {r['front_cpu_ms_per_token']:.2f} / {r['engine_cpu_ms_per_token']:.0f} | "
+                     f"{r['start_s']:.0f} | {r['loaded_s']:.0f} |")
     table = "\n".join(lines)
     print(table)
     stem = f"{date.today()}_vs_vllm_{Path(args.model).name}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
