@@ -236,8 +236,8 @@ class ModeRegistry:
         if lead is None:
             self._build_all(planned, plan, progress)
             return []
-        holder = plan.mode_bytes(lead)["weights_variant"]
-        now = [s for s in planned if plan.mode_bytes(s.name)["weights_variant"] == holder]
+        holder = {f.mode: f.weights for f in plan.footprints}
+        now = [s for s in planned if holder[s.name] == holder[lead]]
         later = [s for s in planned if s not in now]
         for state in later:
             state.status = "loading"

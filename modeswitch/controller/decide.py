@@ -109,14 +109,9 @@ class Controller:
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
             choice = policy.choose(features, filtered)
-            if choice.mode is None and (spare := self._degrade(policy, features, filtered)) is not None:
-                prediction = None
-                mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; memory pressure: degraded to " \
-                                            f"{spare} (its KV is reserved at start)", "memory-degrade"
-            elif choice.mode is None and (spare := self._while_loading(filtered)) is not None:
-                prediction = None
-                mode, reason, rule = spare, f"policy {policy.name}: {choice.reason}; served by {spare} while " \
-                                            "those load", "while-loading"
+            if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
+                mode, why, rule = stand_in
+                reason, prediction = f"policy {policy.name}: {choice.reason}; {why}", None
             elif choice.mode is None:
                 raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
             else:
@@ -140,19 +135,19 @@ class Controller:
         """Persist what the policy has learned (server shutdown)."""
         self.policy.save()
 
-    def _degrade(self, policy: Policy, features: Features, filtered: Mapping[str, Verdict]) -> str | None:
-        """Under memory pressure, when the policy's own modes are all filtered, any mode that passed every
-        gate (the memory gate lets only preallocated-KV modes through) rather than an error."""
-        if features.memory_headroom >= policy.memory.min_headroom:
+    def _stand_in(self, policy: Policy, features: Features,
+                  filtered: Mapping[str, Verdict]) -> tuple[str, str, str] | None:
+        """When the policy's own modes are all filtered, any mode that passed every gate rather than an error,
+        in two cases: memory pressure (the memory gate lets only preallocated-KV modes through), and modes still
+        loading after a staged start (the request gets the same answer, later modes or not). (mode, why, rule)."""
+        spare = next((name for name in self.modes if name not in filtered), None)
+        if spare is None:
             return None
-        return next((name for name in self.modes if name not in filtered), None)
-
-    def _while_loading(self, filtered: Mapping[str, Verdict]) -> str | None:
-        """While a staged start loads modes the policy prefers, any mode that passed every gate rather than
-        an error (the request gets the same answer, later modes or not)."""
-        if not any(v.code is Code.LOADING for v in filtered.values()):
-            return None
-        return next((name for name in self.modes if name not in filtered), None)
+        if features.memory_headroom < policy.memory.min_headroom:
+            return spare, f"memory pressure: degraded to {spare} (its KV is reserved at start)", "memory-degrade"
+        if any(v.code is Code.LOADING for v in filtered.values()):
+            return spare, f"served by {spare} while those load", "while-loading"
+        return None
 
     def quality_verdicts(self, task: str = "general") -> dict[str, str | None] | None:
         """Per mode in the gate report, why it fails the current policy's quality tolerances for ``task`` (None:

@@ -288,7 +288,8 @@ class LearnedPolicy:
         model is filled from the state file or the warm start."""
         groups: dict[str, tuple[str, ...]] = {}
         for m in self.modes:
-            groups[batches.get(m) or m] = (*groups.get(batches.get(m) or m, ()), m)
+            key = batches.get(m) or m
+            groups[key] = (*groups.get(key, ()), m)
         kept = {group[0]: self.models[group[0]] for group in groups.values()
                 if all(self.siblings.get(m) == group for m in group)}
         fresh = {group[0]: ModeModel(self.forgetting) for group in groups.values() if group[0] not in kept}
