@@ -227,6 +227,7 @@ def test_state_persists_and_warm_start_replays_a_benchmark_run(tmp_path):
     ("modes: [fp17]\n", "unknown mode 'fp17'"),
     ("objective: {latency: 0, energy: 0}\n", "not both 0"),
     ("explore: {epsilon: 2}\n", "epsilon"),
+    ("explore: {max_load: 0}\n", "max_load > 0"),
     ("forgetting: 0.1\n", "forgetting"),
     ("contention: -1\n", "contention: must be >= 0"),
     ("warm_start: nowhere.json\n", "no such file"),
@@ -235,3 +236,26 @@ def test_state_persists_and_warm_start_replays_a_benchmark_run(tmp_path):
 def test_invalid_learned_policies_are_rejected(text, fragment):
     with pytest.raises(ConfigError, match=fragment):
         policy_from("type: learned\n" + text)
+
+
+def test_a_cold_batch_waits_for_a_lull_not_an_idle_instant_inside_a_busy_spell():
+    text = "type: learned\nmodes: [int8, fp16]\nexplore: {min_samples: 1, epsilon: 0}\n"
+    policy = policy_from(text)
+    policy.bind({}, frozenset({"int8", "fp16"}))
+    idle = feats(prompt_tokens=256, max_tokens=32)
+    busy = feats(prompt_tokens=256, max_tokens=32, queue_depth=3, in_flight_by_mode={"int8": 3})
+    assert policy.choose(idle, {}).mode == "int8"
+    assert {policy.choose(busy, {}).mode for _ in range(20)} == {"int8"}
+    teach(policy, "int8", busy, 0.05)
+    # the server is idle between two traces of four clients: the next arrivals would run beside fp16's first try
+    assert policy.load >= 1.0 and policy.choose(idle, {}).mode == "int8"
+    assert policy.describe()["recent_load"] == pytest.approx(policy.load, abs=1e-3)
+    # arrivals that find the server idle make a lull: then it is explored
+    modes = [policy.choose(idle, {}).mode for _ in range(15)]
+    assert modes.count("fp16") == 1 and policy.load < 1.0
+    # where no known mode batches, an idle server is where exploring costs least: it does not wait
+    queues = policy_from(text)
+    queues.bind({}, frozenset())
+    assert queues.choose(idle, {}).mode == "int8"
+    queues.load = 3.0  # as after a busy spell (there, fp16 would have been tried under it: int8's queue grew)
+    assert queues.choose(idle, {}).mode == "fp16"

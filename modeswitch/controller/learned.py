@@ -6,7 +6,7 @@ type: learned
 modes: [fp16, prefix_cache, continuous_batching]  # candidates; the order breaks ties while cold
 objective: {latency: 1.0, energy: 0.0}  # cost = latency_s x w_latency + energy_j x w_energy
 contention: 1.0              # what a request on one engine costs each request running on another (below)
-explore: {min_samples: 2, epsilon: 0.05, decay: 200, max_cost_ratio: 1.5, seed: 0}
+explore: {min_samples: 2, epsilon: 0.05, decay: 200, max_cost_ratio: 1.5, max_load: 1.0, seed: 0}
 forgetting: 0.995            # recursive least squares forgetting factor: < 1 follows a changing machine
 state: learned_state.json    # kept across restarts (relative paths: next to the policy file)
 warm_start: results.json     # a benchmark run's records, read when there is no state yet
@@ -33,8 +33,14 @@ request running on another batch, ``contention`` times the request's predicted l
 time: 1 = the engines take turns, as measured on the CPU; lower where engines overlap, 0 = ignore).
 For the same reason, while the requests in flight all run in batches (engines that batch, :meth:`bind`), a
 cold batch waits for an idle server before it is explored: tried under that load it would slow every one of
-them, and learn contended timings. Under sustained load it stays unexplored, which costs nothing while the
-batch in use takes every new request as it comes. Where a busy mode serves one request at a time its queue
+them, and learn contended timings. An idle instant inside a busy spell is not enough either: requests
+arriving right after it would run beside the exploration, each of them slowed for its whole length (4 clients
+in a closed loop leave the server idle only between two traces; exploring the fp32 batch there, once a
+trace, cost the learned policy 1.12x the best static mode's mean latency on 2 AVX512 cores, with 237 of 240
+requests on that mode). So where a batching mode is known, a cold batch also waits for a lull: the requests
+the last arrivals found in flight (a moving mean over about ten, :data:`LOAD_WEIGHT`) below
+``explore.max_load``. Under sustained load it stays unexplored, which costs nothing while the batch in use
+takes every new request as it comes. Where a busy mode serves one request at a time its queue
 grows, and trying another mode is how the policy finds out: there exploration does not wait. A consequence
 to know: under sustained load the load stays on the batch that holds it (moving a request costs the others
 more than it saves), so which batch serves a long busy spell is the one in use when it began. Hence also: a
@@ -78,6 +84,8 @@ log = logging.getLogger(__name__)
 
 #: observations between two writes of the state file
 SAVE_EVERY = 10
+#: weight of each arrival in the moving mean of the requests arrivals find in flight (about the last ten)
+LOAD_WEIGHT = 0.1
 #: the state file's layout (feature order, what each model keeps): a file of another version is not read
 STATE_VERSION = 2
 
@@ -234,6 +242,7 @@ class Exploration:
     epsilon: float = 0.05
     decay: float = 200.0
     max_cost_ratio: float = 1.5
+    max_load: float = 1.0
     seed: int = 0
 
 
@@ -257,6 +266,8 @@ class LearnedPolicy:
 
     def __post_init__(self) -> None:
         self.decisions = 0
+        #: moving mean of the requests in flight that arrivals found (the recent load, see LOAD_WEIGHT)
+        self.load = 0.0
         self.chosen = {m: 0 for m in self.modes}
         self._since_save = 0
         self._lock = threading.Lock()
@@ -311,8 +322,8 @@ class LearnedPolicy:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
         return {"name": self.name, "type": "learned", "source": self.source, "description": self.description,
                 "modes": list(self.modes), "objective": {"latency": self.w_latency, "energy": self.w_energy},
-                "contention": self.contention,
-                "explore": vars(self.explore), "decisions": self.decisions,
+                "contention": self.contention, "explore": vars(self.explore), "decisions": self.decisions,
+                "recent_load": round(self.load, 3),
                 "observations": {m: model.n for m, model in self.models.items()},
                 "shared_batches": sorted({s for s in self.siblings.values() if len(s) > 1}),
                 "state": str(self.state_path) if self.state_path else None}
@@ -335,6 +346,12 @@ class LearnedPolicy:
         busy = [m for m, n in f.in_flight_by_mode.items() if n > 0]
         return bool(busy) and all(m in self.batching for m in busy)
 
+    def busy_spell(self, known: list[str]) -> bool:
+        """Whether trying another batch now would slow the requests that keep arriving: the recent load is at
+        least ``explore.max_load`` and a known mode batches them (without one, exploring is how a queue is
+        relieved)."""
+        return self.load >= self.explore.max_load and any(m in self.batching for m in known)
+
     def cost(self, mode: str, f: Features) -> float:
         """The objective for ``mode``: weighted predicted latency, with the contention it causes the requests
         running on other batches, and energy (a zero weight costs nothing)."""
@@ -354,6 +371,7 @@ class LearnedPolicy:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)
             return Choice(None, f"no eligible mode: {skipped}", None)
         self.decisions += 1
+        self.load += LOAD_WEIGHT * (features.queue_depth - self.load)
         # a batch has been tried as often as it was observed, or chosen (counting requests in flight)
         tried = {m: max(self.models[m].n, sum(self.chosen[s] for s in self.siblings[m])) for m in eligible}
         cold = [m for m in eligible if tried[m] < self.explore.min_samples]
@@ -364,6 +382,8 @@ class LearnedPolicy:
             # idle server, unless nothing has been tried yet (then the batch already running goes first)
             running = {s for m, n in features.in_flight_by_mode.items() if n > 0 for s in self.siblings.get(m, (m,))}
             ready = [] if known else [m for m in cold if m in running] or cold
+        elif cold and self.busy_spell(known):
+            ready = []  # idle for an instant inside a busy spell: the next arrivals would run beside it
         if ready:
             mode = min(ready, key=tried.__getitem__)
             self.chosen[mode] += 1
@@ -376,7 +396,7 @@ class LearnedPolicy:
         best = min(known, key=lambda m: (costs[m], -features.prefix_match_by_mode.get(m, 0)))
         mode, rule = best, "learned"
         epsilon = self.explore.epsilon / (1 + self.decisions / self.explore.decay)
-        if len(known) > 1 and self._rng.random() < epsilon:
+        if len(known) > 1 and self._rng.random() < epsilon and not self.busy_spell(known):
             # another batch: the best's siblings share its models, so trying one teaches nothing
             near = [m for m in known if self.siblings[m] != self.siblings[best]
                     and costs[m] <= self.explore.max_cost_ratio * costs[best]]
@@ -466,13 +486,14 @@ def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> Lear
     if w_latency < 0 or w_energy < 0 or w_latency + w_energy == 0:
         raise objective.error("weights must be >= 0 and not both 0")
     ex = sec.section("explore", Section({}, source, "explore"))
-    ex.only({"min_samples", "epsilon", "decay", "max_cost_ratio", "seed"})
+    ex.only({"min_samples", "epsilon", "decay", "max_cost_ratio", "max_load", "seed"})
     explore = Exploration(
         min_samples=ex.get("min_samples", int, 2), epsilon=float(ex.get("epsilon", (int, float), 0.05)),
         decay=float(ex.get("decay", (int, float), 200.0)), max_cost_ratio=float(ex.get("max_cost_ratio", (int, float), 1.5)),
-        seed=ex.get("seed", int, 0))
-    if not 0 <= explore.epsilon <= 1 or explore.decay <= 0 or explore.max_cost_ratio < 1 or explore.min_samples < 0:
-        raise ex.error("needs 0 <= epsilon <= 1, decay > 0, max_cost_ratio >= 1, min_samples >= 0")
+        max_load=float(ex.get("max_load", (int, float), 1.0)), seed=ex.get("seed", int, 0))
+    if (not 0 <= explore.epsilon <= 1 or explore.decay <= 0 or explore.max_cost_ratio < 1 or explore.min_samples < 0
+            or explore.max_load <= 0):
+        raise ex.error("needs 0 <= epsilon <= 1, decay > 0, max_cost_ratio >= 1, min_samples >= 0, max_load > 0")
     forgetting = float(sec.get("forgetting", (int, float), 0.995))
     if not 0.5 < forgetting <= 1:
         raise sec.error(f"must be in (0.5, 1], got {forgetting}", "forgetting")
