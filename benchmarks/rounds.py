@@ -68,8 +68,10 @@ def main() -> int:
         contenders = [f"mode:{m}" for m in statics] + args.policies.split(",") + ["learned"]
         means: dict[str, list[float]] = {c: [] for c in contenders}
         mixes: dict[str, dict[str, int]] = {c: {} for c in contenders}
+        records: dict[str, list[list[dict]]] = {c: [] for c in contenders}
         for r, name in rotated_rounds(contenders, args.rounds):
-            summary = report.summarize(run_one(bench, tmp, name, r, args.learned_passes))
+            records[name].append(run_one(bench, tmp, name, r, args.learned_passes))
+            summary = report.summarize(records[name][-1])
             means[name].append(summary["mean_latency_s"])
             for mode, n in summary["mode_mix"].items():
                 mixes[name][mode] = mixes[name].get(mode, 0) + n
@@ -87,7 +89,8 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = f"{stamp}_rounds_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"
     result = {"date": datetime.now(timezone.utc).isoformat(), "model": args.model, "processor": report.processor(),
-              "server_args": server_args, "args": vars(args), "best_static": best, "rows": rows}
+              "server_args": server_args, "args": vars(args), "best_static": best, "rows": rows,
+              "records": records}  # per contender, per round: each request (mode, reason, timings, features)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     md = [f"# Policies vs static modes in {args.rounds} interleaved rounds — {args.model}, {report.processor()}, "
           f"{stamp}", "",
