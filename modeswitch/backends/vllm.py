@@ -171,10 +171,16 @@ class VllmBackend:
                 for key, runner in self._runners.items()}
 
     def close(self) -> None:
-        """Stop every engine, waiting for those still starting (a shutdown during start-up)."""
-        for future in self._starting.values():
+        """Stop every engine, waiting for those still starting (a shutdown during start-up). The engines stop
+        together: vLLM gives each engine-core process up to 5 s to leave after SIGTERM before it kills it,
+        and one after another four engines took 32 s to stop on the 2-core demo machine."""
+
+        def stop(future: Future[VllmRunner]) -> None:
             try:
                 runner = future.result()
             except Exception:  # it never started: nothing to stop
-                continue
+                return
             runner.close()
+
+        with ThreadPoolExecutor(max_workers=max(len(self._starting), 1), thread_name_prefix="vllm-stop") as pool:
+            list(pool.map(stop, self._starting.values()))
