@@ -45,7 +45,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor  # noqa: E402
 from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
-from modeswitch.launcher import ROOT, free_port, start_server, wait_loaded  # noqa: E402
+from modeswitch.launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped  # noqa: E402
 
 CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
 WORKLOADS = {
@@ -63,11 +63,7 @@ DEFAULT_MODESWITCH = [
 
 def stop(proc: subprocess.Popen) -> None:
     proc.terminate()
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+    wait_stopped(proc, 120)
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:

@@ -57,19 +57,6 @@ class Launched:
         self.proc.kill()
         raise RuntimeError(f"server not ready in {wait_s} s:\n{self.log_file.read_text()[-4000:]}")
 
-    def stop(self, wait_s: float = 60) -> None:
-        """SIGTERM (the server drains, then stops its engines), then SIGKILL if it has not exited in ``wait_s``."""
-        self.proc.terminate()
-        self.wait_stopped(wait_s)
-
-    def wait_stopped(self, wait_s: float = 60) -> None:
-        """Wait for a terminated server to exit; SIGKILL it if it has not in ``wait_s``."""
-        try:
-            self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
 
 def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE) -> Launched:
     """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``."""
@@ -89,6 +76,16 @@ def start_server(log_dir: Path, *args: str, wait_s: float = 600, entry: tuple[st
     launched = launch_server(log_dir, *args, entry=entry)
     launched.wait_ready(wait_s, all_modes)
     return launched.proc, launched.url, launched.log_file
+
+
+def wait_stopped(proc: subprocess.Popen, wait_s: float = 60) -> None:
+    """Wait for a terminated server to exit (a ModeSwitch server drains, then stops its engines); SIGKILL it if
+    it has not in ``wait_s``."""
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_loaded(url: str, wait_s: float = 900) -> None:

@@ -26,7 +26,7 @@ from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
 from modeswitch.engines.vllm import vllm_installed
-from modeswitch.launcher import ROOT, Launched, launch_server
+from modeswitch.launcher import ROOT, Launched, launch_server, wait_stopped
 from modeswitch.testing.backend import FakeBackend
 
 FP16_QUEUE = 2  # the test server's fp16 queue bound, small enough to saturate
@@ -188,7 +188,7 @@ def launches(request, tmp_path_factory) -> Launches:
     for launched in running:  # together: a server takes seconds to stop its engines
         launched.proc.terminate()
     for launched in running:
-        launched.wait_stopped()
+        wait_stopped(launched.proc)
 
 
 @pytest.fixture(scope="session")
