@@ -35,6 +35,9 @@ class LoadConfig:
     #: serve as soon as the modes a plain request goes to are up (the engine holding the policy's first mode),
     #: and load the others in the background; False: serve once every mode is up
     staged: bool = False
+    #: seconds a staged start's later engines yield the CPU to the requests served (started under SCHED_IDLE,
+    #: see ``modeswitch.priority``) before competing for it; 0: they compete from the start
+    yield_start_s: float = 300.0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve as soon as the engine of the policy's first mode is up and load the other modes in "
                         "the background (/health counts them in modes_loading; /v1/modes lists them as loading); "
                         "--no-staged-start: listen once every mode is up")
+    p.add_argument("--yield-start-s", type=float, default=300.0,
+                   help="with a staged start on vLLM engines: seconds the engines starting in the background yield "
+                        "the CPU to the requests served (Linux SCHED_IDLE, where the process may return from it) "
+                        "before competing for it; 0: they compete from the start")
     p.add_argument("--exit-when-ready", action="store_true",
                    help="load every mode, then exit 0 instead of serving: fills the compile caches, so that the "
                         "next start loads compiled kernels (make setup runs it)")
@@ -87,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise ConfigError(f"--memory-budget: {exc}") from None
     load = LoadConfig(engine=args.engine, device=args.device, dtype=args.dtype, memory_budget=budget,
                       max_model_len=args.max_model_len, decode=args.decode, power_watts=args.power_watts,
-                      staged=args.staged_start and not args.exit_when_ready)
+                      staged=args.staged_start and not args.exit_when_ready, yield_start_s=args.yield_start_s)
     http = HttpConfig(host=args.host, port=args.port, threads=args.threads, api_key=args.api_key,
                       max_inflight_per_client=args.max_inflight_per_client, drain_timeout=args.drain_timeout,
                       unauthenticated_admin=args.unauthenticated_admin)

@@ -18,6 +18,7 @@ from ..engines.vllm import (VllmEngine, VllmRunner, engine_args, has_cpu_kernel,
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset, cache_dir, local_or_hub
 from ..modes import ModeSpec
+from ..priority import BackgroundStarts
 from ..weights import VariantUnavailable
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import Checkpoint
@@ -40,6 +41,7 @@ class VllmBackend:
         #: 94), ready in 100 s with Inductor's cache warm (``make setup`` warms it) against 55-69 s eager
         self.compiled = load.decode != "eager"
         self.staged = load.staged
+        self.yield_start_s = load.yield_start_s
         self.device = str(self.checkpoint.device)
         self._specs: dict[str, ModeSpec] = {}
         self._runners: dict[str, VllmRunner] = {}
@@ -47,6 +49,8 @@ class VllmBackend:
         self._start_s: dict[str, float] = {}
         self._failed: dict[str, str] = {}
         self._starting: dict[str, Future[VllmRunner]] = {}
+        #: a staged start's later engines, started under SCHED_IDLE while the first one serves (see priority)
+        self._background: BackgroundStarts | None = None
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()
@@ -115,20 +119,32 @@ class VllmBackend:
         quiet_environment(str(cache_dir()))
         progress(f"starting {len(keys)} vLLM engine(s), {workers} at a time: " +
                  "; ".join(f"{key} for {', '.join(plan.users[key])}" for key in keys))
+        if self.staged and self.yield_start_s > 0 and self._starting and self._background is None:
+            self._background = BackgroundStarts(self.yield_start_s)  # the engines after the first
+            if not self._background.enabled:
+                progress("the engines starting in the background do not yield the CPU to the requests served: this "
+                         "process runs under another policy than the normal one, or may not return from SCHED_IDLE")
         pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="vllm-start")
         for key in keys:
-            self._starting[key] = pool.submit(self._start_engine, key, plan, progress)
+            self._starting[key] = pool.submit(self._start_engine, key, plan, progress, self._background)
         pool.shutdown(wait=False)
 
-    def _start_engine(self, key: str, plan: MemoryPlan, progress: Progress) -> VllmRunner:
+    def _start_engine(self, key: str, plan: MemoryPlan, progress: Progress,
+                      background: BackgroundStarts | None) -> VllmRunner:
         """One engine sized for every mode planned onto it: their KV bytes, their queue bounds summed."""
         modes = plan.users[key]
         kv = sum(f.kv_bytes for f in plan.footprints if f.weights == key)
         args = self._engine_args(self._specs[modes[0]], kv, sum(self._specs[m].max_queue for m in modes))
         started = time.perf_counter()
-        runner = VllmRunner(key, args)
+        if background is None:
+            runner = VllmRunner(key, args)
+        else:
+            with background.lowered() as pids:
+                runner = VllmRunner(key, args)
+                pids += runner.pids
         self._start_s[key] = time.perf_counter() - started
-        progress(f"vLLM engine {key} started in {self._start_s[key]:.0f} s")
+        lowered = " (under SCHED_IDLE, behind the requests served)" if background and background.enabled else ""
+        progress(f"vLLM engine {key} started in {self._start_s[key]:.0f} s{lowered}")
         return runner
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:

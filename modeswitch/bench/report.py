@@ -8,8 +8,10 @@ runs: for each request slot, the record of the static mode with the lowest laten
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from datetime import date
 from collections import Counter
 from pathlib import Path
 from statistics import fmean
@@ -33,6 +35,17 @@ def processor() -> str:
     isa = ("AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported()
            else platform.machine())
     return f"{name}, {isa}, {os.cpu_count()} cores"
+
+
+def save_results(out: Path | str, name: str, tag: str, data: Any, markdown_text: str) -> Path:
+    """Write a benchmark's JSON and markdown as ``out/<date>_<name>_<machine>[_<tag>].json/.md`` (the naming
+    benchmarks/results/ keeps, one latest run per name and tag); return the path without its suffix."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / (f"{date.today()}_{name}_{platform.machine()}" + (f"_{tag}" if tag else ""))
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
+    Path(f"{stem}.md").write_text(markdown_text)
+    return stem
 
 
 def summarize(records: Records) -> dict[str, Any]:
