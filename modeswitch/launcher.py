@@ -16,6 +16,8 @@ from pathlib import Path
 
 import requests
 
+from .priority import lower_current_thread
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,13 +60,18 @@ class Launched:
         raise RuntimeError(f"server not ready in {wait_s} s:\n{self.log_file.read_text()[-4000:]}")
 
 
-def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE) -> Launched:
-    """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``."""
+def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idle: bool = False) -> Launched:
+    """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``.
+
+    ``idle``: the server and every process it starts (engines) run under Linux's ``SCHED_IDLE`` policy, on CPU
+    time nothing else wants (:mod:`modeswitch.priority`): a server started ahead of its use, as the test suite
+    starts the vLLM server, then does not slow the work in the foreground."""
     port = free_port()
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, *entry, "--port", str(port), *args],
         cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lower_current_thread if idle else None,
     )
     return Launched(proc, f"http://127.0.0.1:{port}", log_file)
 
