@@ -11,18 +11,16 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.bench.report import save_results  # noqa: E402
 from modeswitch.launcher import ROOT, start_server  # noqa: E402
 
 
@@ -81,14 +79,11 @@ def main() -> int:
     lines.append(f"\nReady {ready_s} s after start.")
     table = "\n".join(lines)
     print(table)
-    stem = f"{date.today()}_idle_cost_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"flags": flags, "seconds": args.seconds, "processes": rows,
-                                                  "total_cpu_pct": total_cpu, "total_rss_mib": total_rss, "ready_s": ready_s,
-                                                  "modes": modes}, indent=1))
-    (out / f"{stem}.md").write_text(f"# Idle cost of the resident modes ({' '.join(flags) or 'defaults'})\n\n"
-                                    f"CPU over {args.seconds:.0f} s after {args.settle:.0f} s idle.\n\n{table}\n")
+    save_results(args.out, "idle_cost", args.tag,
+                 {"flags": flags, "seconds": args.seconds, "processes": rows, "total_cpu_pct": total_cpu,
+                  "total_rss_mib": total_rss, "ready_s": ready_s, "modes": modes},
+                 f"# Idle cost of the resident modes ({' '.join(flags) or 'defaults'})\n\n"
+                 f"CPU over {args.seconds:.0f} s after {args.settle:.0f} s idle.\n\n{table}\n")
     return 0
 
 

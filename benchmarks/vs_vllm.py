@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -36,14 +35,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from modeswitch.bench.report import processor  # noqa: E402
+from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
 from modeswitch.launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped  # noqa: E402
 
@@ -259,18 +257,16 @@ def main() -> int:
                      f"{r['start_s']:.0f} | {r['loaded_s']:.0f} |")
     table = "\n".join(lines)
     print(table)
-    stem = f"{date.today()}_vs_vllm_{Path(args.model).name}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     machine = processor()
-    (out / f"{stem}.json").write_text(json.dumps({"model": args.model, "processor": machine, "prompts": args.prompts,
-                                                  "concurrency": args.concurrency, "runs": runs}, indent=1))
-    (out / f"{stem}.md").write_text(f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
-                                    f"\n\nvLLM's benchmark client: {args.prompts} prompts, {args.concurrency} concurrent, "
-                                    f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each"
-                                    f"{', in rounds over all servers resident at once' if args.interleave else ''}, "
-                                    f"median (range: out tok/s of each run).\n\n{table}\n")
-    print(f"wrote {out / stem}.json/.md")
+    stem = save_results(args.out, f"vs_vllm_{Path(args.model).name}", args.tag,
+                        {"model": args.model, "processor": machine, "prompts": args.prompts,
+                         "concurrency": args.concurrency, "runs": runs},
+                        f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
+                        f"\n\nvLLM's benchmark client: {args.prompts} prompts, {args.concurrency} concurrent, "
+                        f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each"
+                        f"{', in rounds over all servers resident at once' if args.interleave else ''}, "
+                        f"median (range: out tok/s of each run).\n\n{table}\n")
+    print(f"wrote {stem}.json/.md")
     return 0
 
 
