@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from .priority import lower_current_thread
+from .priority import lower
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,8 +71,9 @@ def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idl
     proc = subprocess.Popen(
         [sys.executable, *entry, "--port", str(port), *args],
         cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=lower_current_thread if idle else None,
     )
+    if idle:  # set from here, not in a preexec_fn (unsafe with threads): the child starts no thread this soon
+        lower(proc.pid)
     return Launched(proc, f"http://127.0.0.1:{port}", log_file)
 
 

@@ -2,15 +2,15 @@
 
 A staged start serves from its first engine while the other engines start in the background. On 2 cores
 those starts (each engine importing torch and vLLM in two processes, loading, warming up with OpenMP threads
-on the same cores) made the first engine's requests 5.1x slower per output token (188 against 37 ms, and
-4.5 minutes of it). Started under ``SCHED_IDLE`` an engine gets only CPU time the serving leaves, and goes
-back to the normal policy once it is up, or when ``limit_s`` has passed (a start must not wait forever
-behind a server that never idles).
+on the same cores) made the first engine's requests 4.0-5.1x slower per output token for the 4-4.5 minutes
+they took (``benchmarks/staged_start.py``). Started under ``SCHED_IDLE`` an engine gets only CPU time the
+serving leaves, and goes back to the normal policy once it is up, or when ``limit_s`` has passed (a start
+must not wait forever behind a server that never idles).
 
-Linux lets a thread leave ``SCHED_IDLE`` only with CAP_SYS_NICE or RLIMIT_NICE >= 20 (root in most
-containers has neither restriction here, a plain user has it): where it would refuse, nothing is lowered.
-Processes started by a lowered thread inherit its policy, so lowering the thread that starts an engine
-lowers the engine's processes from their first instruction.
+Linux lets a thread leave ``SCHED_IDLE`` only with CAP_SYS_NICE or RLIMIT_NICE >= 20 (a plain user has
+neither, nor has root in a container started with Docker's default capabilities): where it would refuse,
+nothing is lowered. Processes started by a lowered thread inherit its policy, so lowering the thread that
+starts an engine lowers the engine's processes from their first instruction.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import psutil
 SCHED_IDLE = getattr(os, "SCHED_IDLE", None)  # Linux only
 
 
-def lower_current_thread() -> None:
-    """The calling thread (and every thread and process it starts from now on) under ``SCHED_IDLE``."""
-    os.sched_setscheduler(0, SCHED_IDLE, os.sched_param(0))
+def lower(tid: int = 0) -> None:
+    """The thread ``tid`` (0: the calling thread; a process's pid: its main thread), and every thread and
+    process it starts from now on, under ``SCHED_IDLE``."""
+    os.sched_setscheduler(tid, SCHED_IDLE, os.sched_param(0))
 
 
 def can_lower_and_restore() -> bool:
@@ -39,7 +40,7 @@ def can_lower_and_restore() -> bool:
 
     def probe() -> None:
         try:
-            lower_current_thread()
+            lower()
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
             restored.append(True)
         except OSError:
@@ -98,14 +99,14 @@ class BackgroundStarts:
         pids: list[int] = []
         me = threading.get_native_id()
         with self._lock:
-            lower = self.enabled and not self._expired
-            if lower:
+            lowering = self.enabled and not self._expired
+            if lowering:
                 self._threads.add(me)
-                lower_current_thread()
+                lower()
         try:
             yield pids
         finally:
-            if lower:
+            if lowering:
                 with self._lock:
                     self._threads.discard(me)
                     # this thread, the threads it started here, and its processes; not other starts' threads

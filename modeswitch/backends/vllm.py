@@ -143,7 +143,7 @@ class VllmBackend:
                 runner = VllmRunner(key, args)
                 pids += runner.pids
         self._start_s[key] = time.perf_counter() - started
-        lowered = " (under SCHED_IDLE, behind the requests served)" if background and background.enabled else ""
+        lowered = " (started under SCHED_IDLE, behind the requests served)" if background and background.enabled else ""
         progress(f"vLLM engine {key} started in {self._start_s[key]:.0f} s{lowered}")
         return runner
 

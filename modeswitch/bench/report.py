@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-from datetime import date
 from collections import Counter
+from datetime import date
 from pathlib import Path
 from statistics import fmean
 from typing import Any, Iterable
