@@ -3,9 +3,12 @@ resident at once; outputs against the transformers engine; prefix hits; speculat
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import requests
 import torch
@@ -218,3 +221,21 @@ def test_engines_serve_concurrently(vllm_server, int8_modes):
     after = modes(vllm_server)["vllm_engines"]
     assert all(after[k]["steps"] > before[k] for k in before)
     assert after["fp16"]["max_running"] >= 2  # fp16 and continuous_batching requests batched together
+
+
+def gloo_loops(pid: int) -> int:
+    """Threads named gloo_tcp_loop in process ``pid`` (a thread or process that ends while counted is not)."""
+    task, count = f"/proc/{pid}/task", 0
+    try:
+        for tid in os.listdir(task):
+            count += Path(task, tid, "comm").read_text().strip() == "gloo_tcp_loop"
+    except OSError:
+        pass
+    return count
+
+
+def test_each_engine_process_runs_one_gloo_event_loop(launches, vllm_server):
+    """ModeSwitch's engines load its vLLM plugin (modeswitch.engines.vllm_plugin): the 13 gloo groups vLLM's CPU
+    worker sets up share one device, whose loop thread is all an idle engine polls with (13 without it)."""
+    loops = {proc.pid: gloo_loops(proc.pid) for proc in psutil.Process(launches.vllm.proc.pid).children(recursive=True)}
+    assert sorted(n for n in loops.values() if n) == [1] * len(modes(vllm_server)["vllm_engines"]), loops

@@ -8,11 +8,13 @@ on this device, the draft, the dtype, the KV bytes and batch bound of the modes 
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import LoadConfig
+from ..engines import vllm_plugin
 from ..engines.vllm import (VllmEngine, VllmRunner, engine_args, has_cpu_kernel, has_onednn_bf16_matmul,
                              quiet_environment)
 from ..memory import Footprint, MemoryPlan
@@ -117,6 +119,7 @@ class VllmBackend:
         see the device alone."""
         workers = len(keys) if self.checkpoint.device.type == "cpu" else 1
         quiet_environment(str(cache_dir()))
+        os.environ.setdefault(vllm_plugin.ENV, "1")  # each engine's gloo groups on one device ("0": as torch ships)
         progress(f"starting {len(keys)} vLLM engine(s), {workers} at a time: " +
                  "; ".join(f"{key} for {', '.join(plan.users[key])}" for key in keys))
         if self.staged and self.yield_start_s > 0 and self._starting and self._background is None:

@@ -1,0 +1,53 @@
+"""The plugin ModeSwitch's vLLM engines load (modeswitch.engines.vllm_plugin): every gloo group in a process
+on one gloo device, so an idle engine runs one gloo event-loop thread instead of 13. Real torch.distributed
+groups in real processes, set up as vLLM's CPU worker sets them up (a default group and 12 more)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from modeswitch.engines.vllm_plugin import ENV
+
+GROUPS = 12
+RANK = """
+import os, sys
+import torch, torch.distributed as dist
+from modeswitch.engines.vllm_plugin import register
+register()
+rank, world, port, groups = (int(a) for a in sys.argv[1:])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+total = 0.0
+for group in [dist.new_group(list(range(world))) for _ in range(groups)]:
+    t = torch.full((3,), rank + 1.0)
+    dist.all_reduce(t, group=group)
+    total += t.sum().item()
+loops = [os.path.join("/proc/self/task", tid, "comm") for tid in os.listdir("/proc/self/task")]
+print(total, sum(open(comm).read().strip() == "gloo_tcp_loop" for comm in loops))
+dist.destroy_process_group()
+"""
+
+
+def run_ranks(world: int, shared: bool) -> list[tuple[float, int]]:
+    """Each rank's (sum of its all-reduces over the extra groups, gloo loop threads it runs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != ENV} | ({ENV: "1"} if shared else {})
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(world), str(port), str(GROUPS)],
+                              env=env, stdout=subprocess.PIPE, text=True) for rank in range(world)]
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * world
+    return [(float(total), int(loops)) for total, loops in (out.split() for out in outs)]
+
+
+def test_groups_across_two_processes_share_one_device_and_still_reduce_right():
+    expected = GROUPS * 3 * (1 + 2)  # every element of every group's all-reduce: rank 0's 1 + rank 1's 2
+    assert run_ranks(world=2, shared=True) == [(expected, 1), (expected, 1)]
+
+
+def test_without_the_variable_the_plugin_leaves_torch_as_shipped():
+    """vLLM's own server in the comparisons loads the plugin from the same environment: one device per group."""
+    assert run_ranks(world=1, shared=False) == [(GROUPS * 3, GROUPS + 1)]
