@@ -65,7 +65,7 @@ def main() -> int:
                     continue
                 rows.append({"pid": p.pid, "name": p.name() if p.pid != proc.pid else "server",
                              "cpu_pct": round(100 * (after[p.pid] - before[p.pid]) / args.seconds, 2),
-                             "rss_mib": round(p.memory_info().rss / 2**20, 1)})
+                             "rss_mib": round(p.memory_info().rss / 2**20, 1), "threads": p.num_threads()})
             modes = [m["name"] for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]
                      if m["status"] == "available"]
         finally:
@@ -73,9 +73,9 @@ def main() -> int:
             proc.wait(timeout=120)
     total_cpu = round(sum(r["cpu_pct"] for r in rows), 2)
     total_rss = round(sum(r["rss_mib"] for r in rows), 1)
-    lines = ["| process | CPU % of one core (idle) | RSS MiB |", "|---|---|---|"]
-    lines += [f"| {r['name']} ({r['pid']}) | {r['cpu_pct']} | {r['rss_mib']} |" for r in rows]
-    lines.append(f"| **total** ({len(modes)} modes: {', '.join(modes)}) | {total_cpu} | {total_rss} |")
+    lines = ["| process | CPU % of one core (idle) | RSS MiB | threads |", "|---|---|---|---|"]
+    lines += [f"| {r['name']} ({r['pid']}) | {r['cpu_pct']} | {r['rss_mib']} | {r['threads']} |" for r in rows]
+    lines.append(f"| **total** ({len(modes)} modes: {', '.join(modes)}) | {total_cpu} | {total_rss} | |")
     lines.append(f"\nReady {ready_s} s after start.")
     table = "\n".join(lines)
     print(table)
