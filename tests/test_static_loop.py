@@ -21,7 +21,7 @@ from modeswitch.engines.prefix_kv import PrefixKVStore
 from modeswitch.engines.sampling import accept, probabilities
 from modeswitch.engines.static_decoder import StaticDecoder
 from modeswitch.engines.static_loop import StaticLoopEngine
-from modeswitch.kernels import Int4Linear, Int8WeightOnlyLinear, gptq_qparams, quantize_int8_weight_only, repack_gptq
+from modeswitch.kernels import Int4Linear, Int8WeightOnlyLinear, quantize_int8_weight_only, repack_gptq
 from modeswitch.models import PRESETS
 from modeswitch.modes import load_modes
 from modeswitch.registry import ModeRegistry
