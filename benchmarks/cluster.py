@@ -21,14 +21,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modeswitch.bench.client import pct, send  # noqa: E402
-from modeswitch.bench.report import summarize  # noqa: E402
+from modeswitch.bench.report import save_results, summarize  # noqa: E402
 from modeswitch.bench.workloads import TextSource, prefix_reuse  # noqa: E402
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
@@ -156,12 +155,8 @@ def write(args, results: dict, fault: dict | None) -> None:
                   f"answers (ModeSwitch router): statuses {fault['statuses']}, {fault['ok']}/{fault['requests']} ok."]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{date.today()}_cluster_{args.model}_{platform.machine()}" + (f"_{args.tag}" if args.tag else "")
-    (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "routers": results, "fault": fault},
-                                                 indent=2))
+    save_results(args.out, f"cluster_{args.model}", args.tag,
+                 {"args": vars(args), "routers": results, "fault": fault}, text)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -24,6 +23,7 @@ from pathlib import Path
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from modeswitch.bench import report
 from modeswitch.energy import open_meter
 from modeswitch.launcher import ROOT, start_server
 
@@ -86,9 +86,8 @@ def main() -> int:
         proc.wait(timeout=60)
     ok = all(r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.05 for r in rows)
     print("PASS" if ok else "FAIL", "(per-request energy within 5 % of the meter in every block)")
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    out = ROOT / "benchmarks" / "results" / f"{stamp}_energy_{Path(args.model).name}_{platform.machine()}" \
-                                             f"{'_' + args.tag if args.tag else ''}.json"
+    stem = report.results_stem(ROOT / "benchmarks" / "results", f"energy_{Path(args.model).name}", args.tag)
+    out = Path(f"{stem}.json")
     out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "model": args.model,
                                "meter": getattr(meter, "name", "server estimate"), "pass": ok, "rows": rows},
                               indent=1))

@@ -14,8 +14,6 @@ ratios. The quality gate is on (the shipped report), as in run.py.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import shutil
 import statistics
 import sys
@@ -87,11 +85,9 @@ def main() -> int:
              "vs_round_best_static": [x / min(means[f"mode:{m}"][i] for m in statics) for i, x in enumerate(v)],
              "modes": mixes[c]} for c, v in means.items()]
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    stem = f"{stamp}_rounds_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"
     result = {"date": datetime.now(timezone.utc).isoformat(), "model": args.model, "processor": report.processor(),
               "server_args": server_args, "args": vars(args), "best_static": best, "rows": rows,
               "records": records}  # per contender, per round: each request (mode, reason, timings, features)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     md = [f"# Policies vs static modes in {args.rounds} interleaved rounds — {args.model}, {report.processor()}, "
           f"{stamp}", "",
           f"Each round runs every contender once on its own {args.requests}-request trace (the controller "
@@ -107,9 +103,9 @@ def main() -> int:
                   f"{statistics.geometric_mean(row['vs_best_static']):.3f}x | "
                   f"{' / '.join(f'{x:.2f}x' for x in row['vs_round_best_static'])} | "
                   f"{', '.join(f'{m} {n}' for m, n in sorted(row['modes'].items(), key=lambda kv: -kv[1]))} |")
-    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    stem = report.save_results(out, f"rounds_{Path(args.model).name}", args.tag, result, "\n".join(md) + "\n")
     print("\n".join(md))
-    print(f"wrote {out / stem}.json and .md")
+    print(f"wrote {stem}.json and .md")
     return 0
 
 

@@ -191,8 +191,8 @@ def main() -> int:
                             for k in ("batch-first", "paper", "learned", "learned-warm")},
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    stem = f"{stamp}_controller_{Path(args.model).name}_{platform.machine()}{'_' + args.tag if args.tag else ''}"
-    pngs = report.plots(out, stem, runs, "learned", best)
+    stem = report.results_stem(out, f"controller_{Path(args.model).name}", args.tag)
+    pngs = report.plots(out, stem.name, runs, "learned", best)
     machine = report.processor()
     result = {"date": datetime.now(timezone.utc).isoformat(), "model": args.model, "scale": args.scale,
               "requests": args.requests, "learned_passes": args.learned_passes, "concurrency": args.concurrency,
@@ -201,7 +201,7 @@ def main() -> int:
               "server_args": server_args, "startup_s": startup_s, "gate_report": str(gate_path) if gate_path.is_file() else None,
               "quality_verdicts": verdicts, "allowed_for_oracle": allowed, "targets": targets,
               "learned_state": admin, "rows": rows, "sweep": sweep, "records": runs}
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     md = [f"# Controller vs static modes vs oracle — {args.model}, {machine}, {stamp}", "",
           f"Mixed trace of {args.requests} requests over the six reference workloads at scale {args.scale} "
           f"({', '.join(f'{s.name} {s.prompt_tokens}->{s.max_tokens}' for s in bench.shapes)}), "
@@ -214,9 +214,9 @@ def main() -> int:
     if sweep:
         md += ["## Prefix-reuse sweeps (mean latency s)", "", sweep_markdown(sweep), ""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
-    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    Path(f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md[:len(rows) + 12]))
-    print(f"wrote {out / stem}.json, .md and {len(pngs)} plots")
+    print(f"wrote {stem}.json, .md and {len(pngs)} plots")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -12,7 +12,7 @@ import json
 import os
 import platform
 from collections import Counter
-from datetime import date
+from datetime import datetime, timezone
 from pathlib import Path
 from statistics import fmean
 from typing import Any, Iterable
@@ -37,12 +37,17 @@ def processor() -> str:
     return f"{name}, {isa}, {os.cpu_count()} cores"
 
 
-def save_results(out: Path | str, name: str, tag: str, data: Any, markdown_text: str) -> Path:
-    """Write a benchmark's JSON and markdown as ``out/<date>_<name>_<machine>[_<tag>].json/.md`` (the naming
-    benchmarks/results/ keeps, one latest run per name and tag); return the path without its suffix."""
+def results_stem(out: Path | str, name: str, tag: str) -> Path:
+    """``out/<UTC date>_<name>_<machine>[_<tag>]``, the naming benchmarks/results/ keeps (one latest run per name
+    and tag), with ``out`` created: where a benchmark writes its files, each with its own suffix."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (f"{date.today()}_{name}_{platform.machine()}" + (f"_{tag}" if tag else ""))
+    return out / (f"{datetime.now(timezone.utc):%Y-%m-%d}_{name}_{platform.machine()}" + (f"_{tag}" if tag else ""))
+
+
+def save_results(out: Path | str, name: str, tag: str, data: Any, markdown_text: str) -> Path:
+    """Write a benchmark's JSON and markdown at :func:`results_stem`; return that stem."""
+    stem = results_stem(out, name, tag)
     Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
     Path(f"{stem}.md").write_text(markdown_text)
     return stem
