@@ -14,9 +14,9 @@ from modeswitch.launcher import ROOT, free_port
 
 
 def test_a_non_editable_install_serves_the_demo_from_another_directory(tmp_path):
-    # built from a copy: pip builds a local project in place, and the build metadata it would leave in the
-    # checkout (modeswitch.egg-info, build/) shadows the editable install's entry points (the vLLM plugin)
-    # for every process started there, the test servers included
+    # built from a copy: pip builds a local project in place, and the modeswitch.egg-info it would leave in the
+    # checkout shadows the editable install's entry points (the vLLM plugin) for every process started there,
+    # the test servers included
     source = tmp_path / "source"
     shutil.copytree(ROOT / "modeswitch", source / "modeswitch", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
