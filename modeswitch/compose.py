@@ -68,6 +68,8 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     preset = resolve_preset(config.model)
     if config.gptq:
         preset = dataclasses.replace(preset, gptq=config.gptq)
+    if config.w8a8:
+        preset = dataclasses.replace(preset, w8a8=config.w8a8)
     registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
     later = registry.load(progress, policy.first_modes if config.load.staged else ())
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")

@@ -63,6 +63,8 @@ class ServerConfig:
     model: str = "demo"
     #: GPTQ checkpoint overriding the preset's (hub id or path)
     gptq: str | None = None
+    #: W8A8 int8 checkpoint overriding the preset's (hub id or path): what vLLM engines serve as INT8
+    w8a8: str | None = None
     #: directories of mode files; empty: the modes shipped with the package
     modes_dirs: tuple[Path, ...] = ()
     #: the subset of defined modes to load; empty: all

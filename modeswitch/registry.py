@@ -25,6 +25,7 @@ from .engines.base import Engine, GenRequest, SamplingParams
 from .memory import MemoryPlan
 from .models import Preset
 from .modes import ModeSpec
+from .precision import mismatch
 from .weights import VariantUnavailable
 
 log = logging.getLogger(__name__)
@@ -276,10 +277,15 @@ class ModeRegistry:
                 log.exception("mode %s could not be built", state.name)
                 state.status, state.reason = "unavailable", f"failed to start: {exc}"
             else:
-                state.engine, state.details, state.shared_batch = built.engine, dict(built.details), built.batch or ""
-                if built.cost is not None:
-                    built.engine.attach_energy(self.energy, built.cost)
-                self._warm_up(state)
+                state.details = dict(built.details)
+                if why := mismatch(state.spec.weights, built.details.get("kernels")):
+                    built.engine.close()  # never served under a name its kernels do not bear out
+                    state.status, state.reason = "unavailable", why
+                else:
+                    state.engine, state.shared_batch = built.engine, built.batch or ""
+                    if built.cost is not None:
+                        built.engine.attach_energy(self.energy, built.cost)
+                    self._warm_up(state)
             self.load_seconds[f"mode:{state.name}"] = time.perf_counter() - started
             progress(f"mode {state.name}: {state.status}{' (' + state.reason + ')' if state.reason else ''}")
 

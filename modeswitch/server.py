@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=None, help="comma-separated subset of modes to load (default: all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="dtype of the reference weights (auto: bf16/fp16 on GPU, fp32 on CPU)")
+                   help="dtype of the reference weights (auto: the device's native 16-bit type: bf16 on GPUs and CPUs that "
+                        "have it, fp16 on GPUs without bf16, fp32 on CPUs without native bf16)")
     p.add_argument("--memory-budget", default=None,
                    help="bytes all modes may use, e.g. 12GiB (default: free device memory minus 10%%)")
     p.add_argument("--max-model-len", type=int, default=8192,
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load every mode, then exit 0 instead of serving: fills the compile caches, so that the "
                         "next start loads compiled kernels (make setup runs it)")
     p.add_argument("--gptq", default=None, help="GPTQ checkpoint (hub id or path) overriding the preset's")
+    p.add_argument("--w8a8", default=None,
+                   help="W8A8 int8 checkpoint (compressed-tensors; hub id or path) overriding the preset's: INT8 on "
+                        "vLLM engines (python -m modeswitch.quantize w8a8 SRC OUT writes one)")
     p.add_argument("--gate-report", default=None,
                    help="quality gate report the router enforces (default: the shipped evals/reports/<model>-<engine>.json "
                         "if it exists; 'none' disables the gate; write one with python -m modeswitch.evals.gate)")
@@ -96,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                       max_inflight_per_client=args.max_inflight_per_client, drain_timeout=args.drain_timeout,
                       unauthenticated_admin=args.unauthenticated_admin)
     modes = tuple(m.strip() for m in (args.modes or "").split(",") if m.strip())
-    return ServerConfig(model=args.model, gptq=args.gptq, modes_dirs=tuple(Path(d) for d in args.modes_dir or ()),
+    return ServerConfig(model=args.model, gptq=args.gptq, w8a8=args.w8a8, modes_dirs=tuple(Path(d) for d in args.modes_dir or ()),
                         modes=modes, policy=Path(args.policy) if args.policy else None,
                         gate_report=args.gate_report, admin_dirs=tuple(Path(d) for d in args.admin_dir or ()),
                         load=load, http=http)

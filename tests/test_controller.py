@@ -210,7 +210,7 @@ def test_the_gate_report_and_the_router_judge_every_mode_alike(tolerance):
     rows = {line.split(" | ")[0][2:]: line for line in render(report).splitlines() if line.startswith("| ")}
     router = judge(report, QualityPolicy(**tolerance), "general")
     for mode in report["modes"]:
-        assert rows[mode].endswith("| pass |") == (router[mode] is None), (mode, rows[mode], router[mode])
+        assert (" | pass | " in rows[mode]) == (router[mode] is None), (mode, rows[mode], router[mode])
         assert all(e["pass"] for e in report["modes"][mode].values()) == (router[mode] is None)
     assert router["nan"] is not None and router["fp16"] is None
 

@@ -42,7 +42,7 @@ def ours():
     """The adapter's results on fp16 (both kinds of task), which the next two tests compare with lm-eval's own
     models: computed once (scoring 80 choices and generating 20 answers takes 25 s on 2 cores)."""
     return evaluate("modeswitch", tasks=("jargon_cloze", "jargon_copy"), limit=20,
-                    model_args="model=demo,mode=fp16")["results"]
+                    model_args="model=demo,mode=fp16,dtype=float32")["results"]
 
 
 def test_adapter_scores_like_lm_evals_hf_model_and_above_chance(ours):
@@ -58,7 +58,7 @@ def test_a_mode_that_cannot_score_is_scored_on_its_weights_through_the_engine():
     on the same weights, through the engine's scoring path, and agree with a forward pass of those weights."""
     from modeswitch.evals.adapter import ModeSwitchLM
 
-    lm = ModeSwitchLM(model="demo", mode="continuous_batching", engine="transformers", max_length=256)
+    lm = ModeSwitchLM(model="demo", mode="continuous_batching", engine="transformers", max_length=256, dtype="float32")
     try:
         assert (lm.engine, lm.scored_on) == ("transformers", "score-fp16")
         context, continuation = lm.tok_encode("The hacker ethic holds that"), lm.tok_encode(" information")
@@ -125,7 +125,7 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
 
 def test_lm_evals_local_completions_through_the_server_matches_the_adapter(tmp_path, ours):
     """The server as an lm-eval target: echo + logprobs on token-id prompts (scoring) and generation."""
-    proc, url, _ = start_server(tmp_path, "--model", "demo", "--engine", "transformers",
+    proc, url, _ = start_server(tmp_path, "--model", "demo", "--engine", "transformers", "--dtype", "float32",
                                 "--modes", "fp16,continuous_batching", "--gate-report", "none")
     try:
         theirs = evaluate("local-completions", tasks=("jargon_cloze", "jargon_copy"), limit=20, model_args=(

@@ -177,3 +177,16 @@ def test_all_modes_at_once_on_shared_weights_each_match_fp16(server):
     for (prompt, mode), body in zip(jobs, results):
         assert body["modeswitch"]["mode"] == mode
         assert body["choices"][0]["text"] == expected[prompt], (mode, prompt)
+
+
+def test_each_mode_card_says_what_its_linears_run(server):
+    """Read from the loaded layers, not from the mode's name: the reference in the dtype asked for, LLM.int8's
+    int8 rows, GPTQModel's 4-bit codes."""
+    cards = {m["name"]: m for m in server.get("/v1/modes").json()["modes"] if m["status"] == "available"}
+    reference = {"weights": "float32", "weight_format": "dense", "activations": "float32", "compute": "float32",
+                 "kernel": "torch.nn.functional.linear", "engine": "transformers"}
+    assert all(cards[m]["kernels"] == reference for m in ("fp16", "prefix_cache", "speculative")), cards["fp16"]
+    int8, gptq = cards["int8"]["kernels"], cards["gptq"]["kernels"]
+    assert (int8["weights"], int8["weight_format"], int8["kernel"]) == ("int8", "bitsandbytes LLM.int8",
+                                                                        "bitsandbytes int8 matmul")
+    assert (gptq["weights"], gptq["weight_format"]) == ("int4", "gptq 4-bit, group 64") and "GPTQModel" in gptq["kernel"]

@@ -27,7 +27,7 @@ def test_demo_checkpoint_is_a_real_llama_checkpoint():
 def test_llama_preset_names_every_variant():
     p = PRESETS["llama-3.1-8b"]
     assert p.fp16 == "meta-llama/Llama-3.1-8B-Instruct"
-    assert p.gptq and p.draft and p.int8_vllm
+    assert p.gptq and p.draft and p.w8a8
 
 
 def test_missing_local_path_and_uncached_hub_id(monkeypatch, tmp_path):

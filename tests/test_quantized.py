@@ -32,7 +32,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
 
 @pytest.fixture(scope="module")
 def store() -> WeightStore:
-    device, dtype = resolve_device_dtype("cpu", "auto")
+    device, dtype = resolve_device_dtype("cpu", "float32")
     ws = WeightStore(PRESETS["demo"], device, dtype)
     for variant in ("fp16", "gptq", "int8"):
         ws.get(variant, progress=lambda s: None)
@@ -58,7 +58,7 @@ def test_quantized_weights_are_really_quantized(store):
     assert type(q_proj(int8)).__name__ == "Linear8bitLt"
     assert q_proj(int8).weight.dtype == torch.int8
     fp_bits = linear_bits_per_weight(fp16)
-    assert fp_bits == 32  # the reference runs in fp32 on a CPU
+    assert fp_bits == 32  # the reference asked for in fp32
     # Relative to fp16 (16 bits): GPTQ ~1/4 (4 bits + group-64 scales/zeros + g_idx), INT8 ~1/2 (+ row scales).
     assert 4.0 <= linear_bits_per_weight(gptq) <= 4.8
     assert 8.0 <= linear_bits_per_weight(int8) <= 8.2
@@ -151,3 +151,30 @@ def test_planner_refuses_a_mode_set_over_budget_with_each_size(tmp_path):
                  "mode int8+continuous_batching: KV", "--modes"):
         assert line in err, line
     assert "Traceback" not in err
+
+
+def test_the_w8a8_checkpoint_holds_int8_weights_with_one_scale_per_output_channel():
+    """What vLLM serves as INT8: compressed-tensors int-quantized, every decoder linear's weights int8 with a
+    per-channel scale that reproduces the reference weights to half a step, activations quantized per token."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from modeswitch.models import prepare_demo_checkpoint, prepare_demo_w8a8
+
+    path = prepare_demo_w8a8(progress=lambda s: None)
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"], config["ignore"]) == ("compressed-tensors", "int-quantized",
+                                                                            ["lm_head"])
+    scheme = config["config_groups"]["group_0"]
+    assert scheme["weights"]["num_bits"] == 8 and scheme["weights"]["strategy"] == "channel"
+    assert scheme["input_activations"]["dynamic"] and scheme["input_activations"]["strategy"] == "token"
+    quantized, reference = load_file(str(path / "model.safetensors")), load_file(
+        str(prepare_demo_checkpoint() / "model.safetensors"))
+    linears = [k for k in reference if k.endswith("_proj.weight")]
+    assert len(linears) == 7 * 30 and all(quantized[k].dtype == torch.int8 for k in linears)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        w, scale = reference[name].float(), quantized[name.replace(".weight", ".weight_scale")]
+        assert scale.shape == (w.shape[0], 1)
+        assert (quantized[name].float() * scale - w).abs().le(scale / 2 + 1e-6).all()
+        assert quantized[name].abs().amax(dim=1).eq(127).all()  # each channel's scale is its own maximum

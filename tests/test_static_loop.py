@@ -33,7 +33,7 @@ CTX = 512
 
 @pytest.fixture(scope="module")
 def demo() -> WeightStore:
-    device, dtype = resolve_device_dtype("cpu", "auto")
+    device, dtype = resolve_device_dtype("cpu", "float32")
     store = WeightStore(PRESETS["demo"], device, dtype)
     store.get("fp16", progress=lambda s: None)
     return store
@@ -50,7 +50,7 @@ def tok(demo):
 def gptq():
     """The demo's GPTQ model as GPTQModel loads it, then repacked: (model, original layers of block 0, their
     GPTQModel dequantized weights taken before the repack)."""
-    device, dtype = resolve_device_dtype("cpu", "auto")
+    device, dtype = resolve_device_dtype("cpu", "float32")
     model = WeightStore(PRESETS["demo"], device, dtype).get("gptq", progress=lambda s: None)  # GPTQModel's layers
     layer = model.model.layers[0]
     originals = {name: layer.get_submodule(name) for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")}

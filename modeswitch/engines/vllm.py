@@ -34,6 +34,7 @@ import psutil
 
 from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
 from .paged_prefix import PagedPrefixShadow
+from .vllm_probe import WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from ..energy import EnergyAccountant, StepCost
@@ -60,22 +61,6 @@ def has_cpu_kernel(op: str) -> bool:
     return hasattr(torch.ops._C, op)
 
 
-@functools.cache
-def has_onednn_bf16_matmul() -> bool:
-    """Whether vLLM's oneDNN builds a bf16 matmul on this CPU, probed as vLLM itself does for every linear
-    layer. Without one (AVX2: no native bf16) vLLM falls back to torch's bf16 linear, which the CPU emulates."""
-    import torch
-    from vllm import _custom_ops as ops
-
-    if not has_cpu_kernel("create_onednn_mm_handler"):
-        return False
-    try:
-        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16).t(), 32)
-    except RuntimeError:
-        return False
-    return True
-
-
 def quiet_environment(cache_root: str) -> None:
     """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
     hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
@@ -94,19 +79,19 @@ MIN_KV_BYTES = 64 * 2**20
 
 
 def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_bytes: int, max_num_seqs: int,
-                enforce_eager: bool, quantization: str | None = None,
-                speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, quantization, draft, its
+                enforce_eager: bool, speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, draft, its
     planned KV bytes and batch bound) plus what every engine here runs with: prefix caching on (modes
-    without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging.
+    without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging, and
+    the worker extension that reports what its linears run (:mod:`modeswitch.engines.vllm_probe`).
     """
     args: dict[str, Any] = dict(
-        model=model, tokenizer=tokenizer, quantization=quantization, dtype=dtype, max_model_len=max_model_len,
+        model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
         # +25 %: vLLM rounds every sequence up to whole KV blocks (128 tokens on CPU) and speculative
         # engines reserve lookahead slots; the exact plan figure leaves one max-length request short
         kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
         max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=enforce_eager,
-        disable_log_stats=True, seed=0,
+        disable_log_stats=True, seed=0, worker_extension_cls=WORKER_EXTENSION,
     )
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
@@ -181,6 +166,8 @@ class VllmRunner:
         self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
         #: how many requests vLLM's scheduler runs at once
         self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
+        #: what its linears run, read in its worker (a :class:`~modeswitch.precision.LinearKernels` card)
+        self.kernels: dict[str, str] = self.llm.collective_rpc("modeswitch_linear_kernels")[0]
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()

@@ -1,7 +1,7 @@
 """The quality gate: every mode scored with lm-eval, compared with fp16, written as a report the router enforces.
 
     python -m modeswitch.evals.gate --model demo [--engine auto|vllm|transformers] [--limit 200]
-        [--tasks jargon_cloze,jargon_ppl,jargon_copy] [--policy policies/NAME.yaml]
+        [--tasks jargon_cloze,jargon_ppl,jargon_copy] [--policy policies/NAME.yaml] [--dtype float32]
 
 Every mode is scored on the engine family that serves it (``--engine``, resolved as ``serve.py`` resolves it):
 a quantization is judged as that engine runs it (vLLM's int8 weight-only kernels are not bitsandbytes'
@@ -12,7 +12,8 @@ tasks run on every mode, through its own engine. Deltas vs fp16: accuracy-like m
 better, in [0, 1]) in percentage points; perplexity-like metrics (lower is better) as a relative change
 in percent. Pass/fail is judged by ``controller.quality`` (what the router and ``/v1/modes`` use too) with
 the tolerances of a policy's ``quality`` block (``--policy``; without one, the defaults of
-:class:`QualityPolicy`).
+:class:`QualityPolicy`). The reference is the server's (``--dtype``, default: the device's native 16-bit type),
+and the report records per mode the kernels its row was scored on (its ``/v1/modes`` card, ``kernels``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import ENGINES
+from ..config import DTYPES, ENGINES
 from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
@@ -64,7 +65,7 @@ def mark(report: dict) -> None:
 
 
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
-             gptq: str | None = None, engine: str = "transformers", progress=print) -> dict:
+             gptq: str | None = None, engine: str = "transformers", dtype: str = "auto", progress=print) -> dict:
     from .adapter import ModeSwitchLM
 
     kinds = task_kinds(tasks)
@@ -74,16 +75,17 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     by_weights: dict[str, dict] = {}
     modes: dict[str, dict] = {}
     unavailable: dict[str, str] = {}
+    kernels: dict[str, dict | None] = {}
     served_by = None
     for spec in load_modes(*modes_dirs):
         t0 = time.perf_counter()
         try:
-            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, engine=engine)
+            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, engine=engine, dtype=dtype)
         except RuntimeError as exc:
             unavailable[spec.name] = str(exc)
             progress(f"gate: {spec.name}: unavailable ({exc})")
             continue
-        served_by = lm.engine
+        served_by, kernels[spec.name] = lm.engine, lm.kernels
         try:
             if scoring and spec.weights not in by_weights:
                 by_weights[spec.weights] = evaluate(lm, scoring, limit)["results"]
@@ -104,7 +106,8 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     import transformers
 
     report = {"model": model, "engine": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
-              "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "unavailable": unavailable,
+              "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "kernels": kernels,
+              "unavailable": unavailable,
               "seconds": round(time.perf_counter() - started, 1),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
@@ -127,7 +130,7 @@ def render(report: dict) -> str:
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s.", "",
              "| mode | " + " | ".join(f"{t} ({report['tasks'][t]['metric'].split(',')[0]})" for t in tasks)
-             + " | gate |", "|---|" + "---|" * (len(tasks) + 1)]
+             + " | gate | linears |", "|---|" + "---|" * (len(tasks) + 2)]
     for mode, per_task in report["modes"].items():
         cells = []
         for t in tasks:
@@ -135,10 +138,18 @@ def render(report: dict) -> str:
             err = f" ± {e['stderr']:.3f}" if e["stderr"] is not None else ""
             delta = f"{e['delta_pp']:+.1f} pp" if "delta_pp" in e else f"{e['delta_pct']:+.1f} %"
             cells.append(f"{e['value']:.4g}{err} ({delta}{'' if e['pass'] else ', FAIL'})")
-        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'pass' if verdicts[mode] is None else 'fail'} |")
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'pass' if verdicts[mode] is None else 'fail'} | "
+                     f"{linears(report.get('kernels', {}).get(mode))} |")
     for mode, why in report["unavailable"].items():
-        lines.append(f"| {mode} | " + " | ".join("–" for _ in tasks) + f" | unavailable: {why} |")
+        lines.append(f"| {mode} | " + " | ".join("–" for _ in tasks) + f" | unavailable: {why} | – |")
     return "\n".join(lines) + "\n"
+
+
+def linears(card: dict | None) -> str:
+    """A kernels card in one cell: weights x activations (compute dtype), kernel."""
+    if not card:
+        return "–"
+    return f"{card['weights']} x {card['activations']} ({card['compute']}), {card['kernel']}"
 
 
 def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     ap.add_argument("--modes-dir", action="append", default=None)
     ap.add_argument("--gptq", default=None, help="GPTQ checkpoint overriding the preset's")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="the reference dtype, as serve.py --dtype (default auto: the device's native 16-bit type)")
     ap.add_argument("--out", default=str(REPORTS_DIR))
     ap.add_argument("--policy", default=None,
                     help="judge with this policy's quality tolerances, as the server running it does "
@@ -168,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy:
         quality = load_policy(args.policy, [m.name for m in load_modes(*modes_dirs)]).quality
     report = run_gate(args.model, modes_dirs, tuple(t for t in args.tasks.split(",") if t), args.limit, quality,
-                      gptq=args.gptq, engine=args.engine)
+                      gptq=args.gptq, engine=args.engine, dtype=args.dtype)
     path = write(report, Path(args.out))
     print(render(report))
     print(f"report: {path}")

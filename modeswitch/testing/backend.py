@@ -28,16 +28,19 @@ class FakeBackend:
     device = "cpu"
 
     def __init__(self, scripts: Mapping[str, Script] | None = None, unavailable: Mapping[str, str] | None = None,
-                 context_length: int = 2048, default: Script = Script(), held: Collection[str] = ()) -> None:
+                 context_length: int = 2048, default: Script = Script(), held: Collection[str] = (),
+                 kernels: Mapping[str, Mapping[str, str]] | None = None) -> None:
         """``scripts``: how each mode behaves (others follow ``default``: instant); ``unavailable``: modes that
         cannot be served here, with the reason the registry shows; ``held``: modes whose build waits until
-        :attr:`release` is set (an engine still starting)."""
+        :attr:`release` is set (an engine still starting); ``kernels``: the linear-kernel card a mode's engine
+        reports (:class:`~modeswitch.precision.LinearKernels`; others report none)."""
         self.held, self.release = frozenset(held), threading.Event()
         self.scripts = dict(scripts or {})
         self.default = default
         self.unavailable = dict(unavailable or {})
         self.context_length = context_length
         self.engines: dict[str, FakeEngine] = {}
+        self.kernels = dict(kernels or {})
 
     def open(self, progress: Progress) -> ModelInfo:
         return ModelInfo(ByteTokenizer(), self.context_length, KV_BYTES_PER_TOKEN)
@@ -53,7 +56,10 @@ class FakeBackend:
         if spec.name in self.held:
             self.release.wait()
         engine = self.engines[spec.name] = FakeEngine(spec, self.scripts.get(spec.name, self.default))
-        return BuiltMode(engine, {"script": repr(engine.script)})
+        details: dict[str, Any] = {"script": repr(engine.script)}
+        if spec.name in self.kernels:
+            details["kernels"] = dict(self.kernels[spec.name])
+        return BuiltMode(engine, details)
 
     def resident_weights(self) -> dict[str, int]:
         return {}
