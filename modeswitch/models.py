@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +105,8 @@ def prepare_demo_checkpoint(target: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .quantize import publish
+
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -114,11 +115,7 @@ def prepare_demo_checkpoint(target: Path | None = None) -> Path:
         del model.config.quantization_config
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(target)
-    except OSError:  # another process finished the same conversion first
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish(tmp, target)
     return target
 
 

@@ -34,6 +34,16 @@ def default_samples() -> int:
     return int(os.environ.get("MODESWITCH_GPTQ_SAMPLES", DEFAULT_SAMPLES))
 
 
+def publish(tmp: Path, out_dir: Path) -> None:
+    """Move a checkpoint written under a temporary name into place: an interrupted build never leaves a
+    half-written directory that later loads would trust, and of two processes building it the first wins."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out_dir)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_gptq(fp16_dir: Path, out_dir: Path, samples: int, seq_len: int = SEQ_LEN, group_size: int = GROUP_SIZE,
                progress=print) -> Path:
     """Quantize ``fp16_dir`` into ``out_dir`` (written atomically); returns ``out_dir``."""
@@ -58,11 +68,7 @@ def build_gptq(fp16_dir: Path, out_dir: Path, samples: int, seq_len: int = SEQ_L
     (tmp / "modeswitch_calibration.json").write_text(json.dumps({
         "source": SOURCE, "samples": samples, "seq_len": seq_len, "group_size": group_size, "bits": 4,
         "sym": True, "desc_act": False, "seconds": round(elapsed, 1)}, indent=2))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out_dir)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish(tmp, out_dir)
     progress(f"GPTQ: done in {elapsed:.0f} s -> {out_dir}")
     return out_dir
 
@@ -100,11 +106,7 @@ def build_w8a8(fp16_dir: Path, out_dir: Path, progress=print) -> Path:
     model.save_pretrained(str(tmp))
     compressor.update_config(str(tmp))
     AutoTokenizer.from_pretrained(str(fp16_dir)).save_pretrained(str(tmp))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out_dir)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish(tmp, out_dir)
     progress(f"W8A8: done in {time.perf_counter() - started:.0f} s -> {out_dir}")
     return out_dir
 
