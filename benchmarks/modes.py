@@ -3,7 +3,9 @@
 Starts ``serve.py`` (extra server flags after ``--``), then for every available mode, pinned:
   * batch 1: TTFT, decode tokens/s and ms/token for a --prompt-tokens prompt and --max-tokens new tokens
     (median over --repeats held-out prompts; prefix-cache modes also repeat them: "warm" = a cache hit);
-  * --concurrency requests at once: aggregate tokens/s (who batches, who queues);
+  * --concurrency requests at once (each level of a list, default 4 and 16): aggregate output tokens/s (who
+    batches, who queues), and its ratio to the fp16 mode's, the reference on the same engine;
+  * what each mode's linears run (its /v1/modes kernels card: weights x activations, kernel);
   * energy per generated token at both batch sizes where NVML is present (GPU), else left out;
   * peak memory: the server's peak RSS while the mode ran (CPU), or device memory in use (GPU);
   * greedy-token agreement with fp16 on the same prompts; speculative tokens per target step;
@@ -139,16 +141,18 @@ def run_mode(url, proc, m, tok, args, energy, prompts, batch, reference) -> tupl
     can_reset = reset_peak_rss(proc.pid)
     runs, joules1 = energy.measure(lambda: [stream_once(url, p, name, args.max_tokens) for p in prompts])
     warm = [stream_once(url, p, name, args.max_tokens) for p in prompts] if m["prefix_cache"] else []
-    (total, seconds), joules8 = energy.measure(lambda: concurrent(url, batch, name, args.max_tokens))
     row = {"mode": name, "weights": m["weights"], "decode_path": m.get("decode", "batched"),
-           "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
-           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-           f"concurrent{args.concurrency}_tok_s": total / seconds}
+           "kernels": m.get("kernels"), "ttft_ms": statistics.median(r["ttft_s"] for r in runs) * 1e3,
+           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs)}
+    for c in args.concurrency:
+        (total, seconds), joules = energy.measure(lambda: concurrent(url, batch[:c], name, args.max_tokens))
+        row[f"concurrent{c}_tok_s"] = total / seconds
+        if joules is not None:
+            row[f"j_per_token_bs{c}"] = joules / total
     row["ms_per_token"] = 1e3 / row["decode_tok_s"] if row["decode_tok_s"] else None
     generated = sum(r["tokens"] for r in runs)
     if joules1 is not None:
         row["j_per_token_bs1"] = joules1 / generated
-        row[f"j_per_token_bs{args.concurrency}"] = joules8 / total
         row["gpu_mem_used_gb"] = energy.meter.memory_used() / 2**30
     elif can_reset:
         row["peak_rss_mb"] = proc_status(proc.pid, "VmHWM") / 2**20
@@ -176,7 +180,11 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", default="4,16", type=lambda v: [int(c) for c in v.split(",")],
+                    help="comma-separated numbers of concurrent requests to measure (default 4,16)")
+    ap.add_argument("--measure", default=None,
+                    help="comma-separated modes to measure (default: every available mode); the server still loads "
+                         "every mode its flags name, so a vLLM engine's batch is the one it has in service")
     ap.add_argument("--perplexity", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--decision-loop", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tag", default=platform.machine(), help="file name suffix for the results")
@@ -197,12 +205,14 @@ def main() -> int:
     start_s = time.perf_counter() - t0
     try:
         info = requests.get(url + "/v1/modes").json()
-        modes = sorted((m for m in info["modes"] if m["status"] == "available"), key=lambda m: m["name"] != "fp16")
+        measure = set(args.measure.split(",")) if args.measure else None
+        modes = sorted((m for m in info["modes"] if m["status"] == "available" and (measure is None or m["name"] in measure)),
+                       key=lambda m: m["name"] != "fp16")
         unavailable = {m["name"]: m["reason"] for m in info["modes"] if m["status"] != "available"}
         from modeswitch.models import local_or_hub, resolve_preset
 
         tok = AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(args.model).fp16, "tokenizer"))
-        windows = token_windows(tok, heldout_paragraphs(), args.repeats + args.concurrency, args.prompt_tokens)
+        windows = token_windows(tok, heldout_paragraphs(), args.repeats + max(args.concurrency), args.prompt_tokens)
         prompts, batch = windows[: args.repeats], windows[args.repeats:]
         rows, decisions, reference = [], [], None
         for m in tqdm(modes, desc="modes", unit="mode"):
@@ -225,6 +235,9 @@ def main() -> int:
         if fp16 and fp16["decode_tok_s"] and r["decode_tok_s"]:
             r["ttft_vs_fp16"] = r["ttft_ms"] / fp16["ttft_ms"]
             r["decode_vs_fp16"] = r["decode_tok_s"] / fp16["decode_tok_s"]
+            r["ms_per_token_vs_fp16"] = r["ms_per_token"] / fp16["ms_per_token"]
+            for c in args.concurrency:
+                r[f"concurrent{c}_vs_fp16"] = r[f"concurrent{c}_tok_s"] / fp16[f"concurrent{c}_tok_s"]
     variants = sorted({r["weights"] for r in rows})
     ppl = perplexities(args.model, variants) if args.perplexity else {}
     loop = decision_loop(server_args) if args.decision_loop else None
@@ -254,7 +267,7 @@ def main() -> int:
 
 
 def render(r: dict) -> str:
-    c = r["concurrency"]
+    levels = r["concurrency"]
     gpu = r["machine"]["gpu"]
     lines = [f"# Modes benchmark: {r['model']} ({r['date']})", "",
              f"{gpu or r['machine']['platform']}, {r['machine']['cpus']} CPUs; torch {r['versions']['torch']}, "
@@ -263,9 +276,10 @@ def render(r: dict) -> str:
              "", f"Server start (spawn to /health 200, weights and warm-up included): {r['server_start_s']:.1f} s. "
              f"Weights resident: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["memory"]["weights_bytes"].items())
              + f" (total {r['memory']['weights_total_bytes'] / 2**20:.0f} MiB).", ""]
-    mem_col = "J/token bs1 / bs" + str(c) if gpu else "peak RSS MB"
-    lines += [f"| mode | decode | TTFT ms | tok/s bs1 | ms/token | vs fp16 (TTFT / decode) | tok/s {c} concurrent | "
-              f"{mem_col} | agreement w/ fp16 | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    mem_col = "J/token bs1 / bs" + "/".join(map(str, levels)) if gpu else "peak RSS MB"
+    concurrent_cols = " | ".join(f"tok/s {c} clients (vs fp16)" for c in levels)
+    lines += [f"| mode | linears | decode | TTFT ms | ms/token (vs fp16) | {concurrent_cols} | {mem_col} | "
+              f"agreement w/ fp16 | notes |", "|---|---|---|---|---|" + "---|" * len(levels) + "---|---|---|"]
     for m in r["modes"]:
         notes = []
         if "warm_ttft_ms" in m:
@@ -273,14 +287,16 @@ def render(r: dict) -> str:
         if "spec_tokens_per_step" in m:
             notes.append(f"{m['spec_tokens_per_step']:.2f} tokens/target step")
         if gpu:
-            mem = f"{m['j_per_token_bs1']:.3f} / {m[f'j_per_token_bs{c}']:.3f}"
+            mem = " / ".join(f"{m[f'j_per_token_bs{c}']:.3f}" for c in (1, *levels))
         else:
             mem = f"{m['peak_rss_mb']:.0f}" if m.get("peak_rss_mb") else "n/a"
-        ms = f"{m['ms_per_token']:.1f}" if m.get("ms_per_token") else "n/a"
-        lines.append(f"| {m['mode']} | {m['decode_path']} | {m['ttft_ms']:.0f} | {m['decode_tok_s']:.1f} | {ms} | "
-                     f"{m.get('ttft_vs_fp16', 1):.2f} / {m.get('decode_vs_fp16', 1):.2f} | "
-                     f"{m[f'concurrent{c}_tok_s']:.1f} | {mem} | {m.get('agreement_with_fp16', float('nan')):.2f} | "
-                     f"{'; '.join(notes)} |")
+        k = m.get("kernels")
+        linears = f"{k['weights']} x {k['activations']}, {k['kernel']}" if k else "n/a"
+        ms = f"{m['ms_per_token']:.1f} ({m.get('ms_per_token_vs_fp16', 1):.2f}x)" if m.get("ms_per_token") else "n/a"
+        concurrent_cells = " | ".join(f"{m[f'concurrent{c}_tok_s']:.1f} ({m.get(f'concurrent{c}_vs_fp16', 1):.2f}x)"
+                                      for c in levels)
+        lines.append(f"| {m['mode']} | {linears} | {m['decode_path']} | {m['ttft_ms']:.0f} | {ms} | {concurrent_cells} | "
+                     f"{mem} | {m.get('agreement_with_fp16', float('nan')):.2f} | {'; '.join(notes)} |")
     if r["perplexity"]:
         lines += ["", "Held-out perplexity (Jargon File prose, 8 x 256 tokens): "
                   + ", ".join(f"{k} {v:.2f}" for k, v in r["perplexity"].items()) + "."]

@@ -17,8 +17,9 @@ processes: a front end that takes CPU from the engines on a small machine shows 
     .venv/bin/python benchmarks/vs_vllm.py [--model demo] [--modeswitch "label=serve.py flags" ...]
                                            [--vllm "label=ENV=VALUE ..." ...] [--repeats N]
 
-Defaults compare vLLM's server (as it starts by default; the first ``--vllm`` row is the reference of every
-ratio, further rows start it with other environment settings) with ``make serve``'s default (every reference
+Defaults compare vLLM's server in the reference dtype ModeSwitch runs (the machine's native 16-bit type: bf16
+on CPUs with AVX512-BF16 or AMX, fp32 without; the first ``--vllm`` row is the reference of every ratio, further
+rows start it with other environment settings or flags) with ``make serve``'s default (every reference
 mode on vLLM engines, the batch-first policy, the shipped quality gate report enforced), with the same modes
 under the reference design's paper policy, and with one vLLM engine serving fp16 alone.
 """
@@ -43,9 +44,13 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
+from modeswitch.device import resolve_device_dtype  # noqa: E402
+from modeswitch.precision import dtype_name  # noqa: E402
 from modeswitch.launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped  # noqa: E402
 
 CLI = str(Path(__file__).resolve().parent / "vllm_cli.py")
+#: the dtype ModeSwitch's reference weights run in on this CPU (modeswitch.device), and vLLM's server with them
+REFERENCE_DTYPE = dtype_name(resolve_device_dtype("cpu", "auto")[1])
 WORKLOADS = {
     "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32"],
     "prefix_repetition": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "256",
@@ -80,8 +85,8 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
     """``'label=ENV=VALUE ... --flag value ...'`` -> (label, environment, server flags): environment settings
-    first, then flags for ``vllm serve`` from the first word starting with ``-`` (``--dtype bfloat16`` replaces
-    the default fp32: the peer of a mode whose engine runs bf16)."""
+    first, then flags for ``vllm serve`` from the first word starting with ``-`` (``--dtype float32`` replaces
+    the reference dtype)."""
     label, rest = spec.split("=", 1)
     words = shlex.split(rest)
     cut = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
@@ -90,15 +95,15 @@ def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
 
 def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str],
                flags: list[str] = ()) -> tuple[subprocess.Popen, str, float]:
-    """vLLM's own OpenAI server on a free port, fp32 like ModeSwitch's CPU engines unless ``flags`` say
-    otherwise (later flags win); (process, URL, start s)."""
+    """vLLM's own OpenAI server on a free port, in the reference dtype as ModeSwitch's engines unless ``flags``
+    say otherwise (later flags win); (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
-                             "--dtype", "float32", "--max-model-len", "8192", *flags], stdout=log, stderr=subprocess.STDOUT,
+                             "--dtype", REFERENCE_DTYPE, "--max-model-len", "8192", *flags], stdout=log, stderr=subprocess.STDOUT,
                             env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - started < 900:
@@ -177,7 +182,7 @@ def main() -> int:
                     help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: three)")
     ap.add_argument("--vllm", action="append", default=None,
                     help="'label=ENV=VALUE ... --flag ...' for one vLLM server: environment, then `vllm serve` flags "
-                         "(repeatable; default: one, as it starts by default, fp32)")
+                         "(repeatable; default: one, in the reference dtype)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=1, help="runs per workload and server, other prompts each (median)")
     ap.add_argument("--interleave", action="store_true",
@@ -194,7 +199,8 @@ def main() -> int:
     model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
     workloads = args.workloads.split(",")
     runs: list[dict] = []
-    servers = [Server(label, None, env, flags) for label, env, flags in map(vllm_row, args.vllm or ["vLLM's own server="])]
+    default_vllm = f"vLLM's own server, {REFERENCE_DTYPE}="
+    servers = [Server(label, None, env, flags) for label, env, flags in map(vllm_row, args.vllm or [default_vllm])]
     servers += [Server(*s.split("=", 1)) for s in args.modeswitch or DEFAULT_MODESWITCH]
     repeats = args.repeats
     # (server, seed) in the order run: each server's repeats in a row, or rounds over every server, rotated
