@@ -106,6 +106,12 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
         listed = {m["name"]: m for m in requests.get(url + "/v1/modes", timeout=10).json()["modes"]}
         assert listed["degraded"]["quality_gate"].startswith("fails the quality gate")
         assert listed["prefix_cache"]["quality_gate"] == "pass"
+        # the row each mode is judged by, scored on the kernels it runs here (the report records its card)
+        row = listed["prefix_cache"]["gate_row"]
+        assert (row["report"], row["row"], row["same_kernels"]) == ("demo-transformers.json", "prefix_cache", True)
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        assert row["scored_on"] == listed["prefix_cache"]["kernels"]
+        assert row["scored_on"]["weights"] == ("bfloat16" if native else "float32")  # the default reference
 
         broken = requests.post(url + "/admin/gate", json={"path": str(path.with_name("nope.json"))}, timeout=10)
         assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_gate_report"

@@ -63,9 +63,11 @@ def modes():
         for d in described:
             d["quality_gate"] = ("not in report" if d["name"] not in verdicts
                                  else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
-            if d["name"] in verdicts:  # the report row it is judged by, and the kernels that row was scored on
-                d["gate_row"] = {"report": controller.quality_report_path.name, "row": d["name"],
-                                 "scored_on": scored_on.get(d["name"])}
+            if d["name"] in verdicts:  # the report row it is judged by, the kernels that row was scored on, and
+                # whether they are the ones the mode runs here (another dtype or kernel: the row is another's)
+                row = scored_on.get(d["name"])
+                d["gate_row"] = {"report": controller.quality_report_path.name, "row": d["name"], "scored_on": row,
+                                 "same_kernels": row is not None and row == d.get("kernels")}
     gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else {}
     gate["holds_for"] = service.registry.gate_key  # the report name (evals/reports/<model>-<this>.json) it needs
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
