@@ -17,23 +17,23 @@ from conftest import ROOT
 from modeswitch.evals.gate import run_gate, write
 from modeswitch.evals.run import evaluate
 from modeswitch.launcher import start_server
-from modeswitch.models import prepare_demo_checkpoint
+from modeswitch.models import prepare_demo_checkpoint, prepare_demo_gptq
 
 
 @pytest.fixture(scope="module")
 def degraded_dir(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A real GPTQ 4-bit checkpoint of worse quality: the demo's, with every group's scale scattered by noise.
+    Its linears are still int4 (a mode on it is what its name says), its answers are not the reference's."""
+    from safetensors.torch import load_file, save_file
 
-    src = prepare_demo_checkpoint()
-    out = tmp_path_factory.mktemp("degraded") / "SmolLM2-noisy"
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("degraded") / "SmolLM2-gptq-noisy"
+    shutil.copytree(prepare_demo_gptq(), out)
+    tensors = load_file(str(out / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".layers." in name and p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * 0.5)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    for name, t in tensors.items():
+        if name.endswith(".scales"):
+            tensors[name] = (t.float() * (1 + 0.5 * torch.randn(t.shape, generator=gen))).to(t.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

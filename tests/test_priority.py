@@ -65,6 +65,7 @@ class SleeperRunner:
         self.proc = sleeper()
         self.pids = [self.proc.pid]
         self.engine_args, self.max_num_seqs = engine_args, 4
+        self.kernels: dict = {}  # a sleeper runs no linears
         SleeperRunner.started[name] = os.sched_getscheduler(0), os.sched_getscheduler(self.proc.pid)
 
     def close(self) -> None:
