@@ -167,3 +167,15 @@ def test_the_default_policy_batches_int8_first_and_falls_back_to_the_reference_w
     assert controller.decide(feats()).mode == "continuous_batching"
     assert controller.decide(shared).mode == "prefix_cache"
     assert controller.decide(feats(prefix_cache_batched=1)).mode == "prefix_cache"
+
+
+def test_a_drop_of_exactly_the_tolerance_passes_despite_floating_point():
+    """One document of 100 (0.97 -> 0.96) is a 1.0 pp drop, which a 1.0 pp tolerance allows; 2 are not; a number
+    that is not one still fails."""
+    from modeswitch.controller.quality import QualityPolicy, task_failure
+
+    quality = QualityPolicy(max_drop_pp=1.0, max_ppl_increase_pct=10.0)
+    assert task_failure("copy", 0.96, 0.97, True, quality) is None
+    assert task_failure("copy", 0.95, 0.97, True, quality) == "copy -2.0 pp"
+    assert task_failure("ppl", 110.0, 100.0, False, quality) is None
+    assert task_failure("copy", float("nan"), 0.97, True, quality) is not None

@@ -38,8 +38,10 @@ def change(value: float, ref: float, higher_is_better: bool) -> float:
 
 def task_failure(task: str, value: float, ref: float, higher_is_better: bool, quality: QualityPolicy) -> str | None:
     """None if ``value`` is within tolerance of ``ref``, else what fails (e.g. ``ppl +40.0 %``).
-    The comparisons are written so that a value that is not a number fails."""
-    delta = change(value, ref, higher_is_better)
+    The comparisons are written so that a value that is not a number fails. The change is rounded to 1e-9 first:
+    one document of 100 is 0.96 - 0.97 = -1.0000000000000009 pp in floating point, which is the 1.0 pp a
+    tolerance of 1.0 allows."""
+    delta = round(change(value, ref, higher_is_better), 9)
     if higher_is_better:
         return None if -delta <= quality.max_drop_pp else f"{task} {delta:+.1f} pp"
     return None if delta <= quality.max_ppl_increase_pct else f"{task} {delta:+.1f} %"
