@@ -19,6 +19,7 @@ from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, 
 from ..memory import Footprint, MemoryPlan
 from ..models import Preset, WeightsNotFound, cache_dir, local_or_hub
 from ..modes import ModeSpec
+from ..precision import dtype_name
 from ..priority import BackgroundStarts
 from ..weights import VariantUnavailable
 from .base import BuiltMode, ModelInfo, Progress
@@ -99,7 +100,7 @@ class VllmBackend:
         # ``--dtype float32``), but vLLM's CPU GPTQ kernel takes bf16/fp16 activations only, and a draft runs in its
         # target's dtype
         gptq_on_cpu = checkpoint.device.type == "cpu" and "gptq" in (spec.weights, draft)
-        dtype = str(checkpoint.dtype).removeprefix("torch.")
+        dtype = dtype_name(checkpoint.dtype)
         speculative = None
         if spec.speculative is not None:
             k = spec.speculative.num_tokens
