@@ -78,10 +78,11 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if report is not None:
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
+    service = Service(registry, controller, preset.name)
     if later:
         progress(f"staged start: loading {', '.join(s.name for s in later)} in the background")
-        registry.load_rest(later, progress, then=controller.rebind)
-    return Service(registry, controller, preset.name)
+        registry.load_rest(later, progress, then=service.rebind)
+    return service
 
 
 @dataclass

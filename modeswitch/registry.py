@@ -116,6 +116,10 @@ class ModeState:
         return self.engine.batch_slots if self.engine is not None else 1
 
     @property
+    def speculative(self) -> bool:
+        return self.spec.decoding == "speculative"
+
+    @property
     def max_queue(self) -> int:
         return self.engine.max_queue if self.engine is not None else self.spec.max_queue
 

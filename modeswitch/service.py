@@ -16,6 +16,7 @@ from typing import Any, Iterator
 from .controller.completed import Completed
 from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
+from .controller.speculation import REPLAY_K, SpeculationModel
 from .controller.verdicts import Code
 from .engines.base import Event, GenRequest, QueueFull, SamplingParams
 from .metrics import Metrics
@@ -107,7 +108,9 @@ class Generation:
         self.request: GenRequest | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         with service.routing:
+            t0 = time.perf_counter()
             self.features = service.features(self.prompt_ids, params, task)
+            self.features_us = (time.perf_counter() - t0) * 1e6
             self._submit()
 
     # ------------------------------------------------------------------ decide and submit
@@ -169,7 +172,8 @@ class Generation:
             mode=self.mode, features=self.features, outcome=outcome, ttft_s=ttft, tpot_s=tpot,
             latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,
             energy_j=self.energy_j, energy_source=self.service.registry.energy.source, retried=bool(self.attempts),
-            scoring=scoring))
+            scoring=scoring, prompt_ids=tuple(self.prompt_ids), output_ids=tuple(self.assembler.ids),
+            target_steps=self.extra.get("speculative", {}).get("target_steps")))
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -269,6 +273,7 @@ class Generation:
             "policy": self.decision.policy,
             "features": self.features.as_dict(),
             "decision_us": round(self.decision.decision_us, 1),
+            "features_us": round(self.features_us, 1),
             **({"prediction": dict(self.decision.prediction)} if self.decision.prediction else {}),
             "timings": timings,
             "cached_tokens": self.cached_tokens,
@@ -294,6 +299,28 @@ class Service:
         #: Held for microseconds: submitting never waits on generation.
         self.routing = threading.Lock()
         controller.add_observer(self.metrics.finished)
+        #: what drafting would do for a request (its features), learned from every completed one
+        self.speculation = SpeculationModel()
+        controller.add_observer(self.speculation.observe)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Tell the controller and the speculation model how the resident modes share batches, as they stand now
+        (again once the modes of a staged start have come up)."""
+        self.controller.rebind()
+        modes = [m for m in self.registry.modes.values() if m.available]
+        pairs, k = {}, []
+        for m in modes:
+            if not m.speculative:
+                continue
+            plain = sorted((p for p in modes if p.spec.weights == m.spec.weights and not p.speculative),
+                           key=lambda p: -p.batch_slots)  # the batch a request would otherwise join
+            if plain:
+                pairs[m.spec.name] = (m.batch, plain[0].batch)
+                k.append(m.spec.speculative.num_tokens)
+        # the CPUs an engine computes on, where the backend pinned it (else every mode shares one lane)
+        lanes = {m.spec.name: ",".join(map(str, m.details.get("cpus", ()))) for m in modes}
+        self.speculation.bind(pairs, {m.spec.name: m.batch for m in modes}, max(k, default=REPLAY_K), lanes)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
@@ -301,6 +328,7 @@ class Service:
         match = max(by_mode.values(), default=0)
         in_flight = {name: state.in_flight for name, state in self.registry.modes.items()}
         free, fraction = memory_headroom()
+        drafting = self.speculation.estimate(prompt_ids, task, in_flight)
         return Features(
             prompt_tokens=n,
             max_tokens=params.max_tokens,
@@ -315,6 +343,9 @@ class Service:
             scoring=int(params.prompt_logprobs is not None),
             in_flight_by_mode=in_flight,
             prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
+            prompt_repeat=drafting.repeat,
+            draft_tokens_per_step=drafting.tokens_per_step,
+            speculation_gain=drafting.best_gain,
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

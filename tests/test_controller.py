@@ -35,6 +35,7 @@ class Mode:
     in_flight: int = 0
     max_queue: int = 4
     batch_slots: int = 1
+    speculative: bool = False
     supports_sampling: bool = True
     supports_scoring: bool = True
     preallocated_kv: bool = False

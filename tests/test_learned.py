@@ -3,6 +3,7 @@ mode is slow is in test_api_serving)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -259,3 +260,24 @@ def test_a_cold_batch_waits_for_a_lull_not_an_idle_instant_inside_a_busy_spell()
     assert queues.choose(idle, {}).mode == "int8"
     queues.load = 3.0  # as after a busy spell (there, fp16 would have been tried under it: int8's queue grew)
     assert queues.choose(idle, {}).mode == "fp16"
+
+
+def test_a_drafting_batch_is_learned_per_target_step_and_judged_by_the_acceptance_predicted():
+    policy = policy_from("type: learned\nmodes: [int8+prefix_cache, int8+speculative]\n"
+                         "explore: {min_samples: 0, epsilon: 0}\n")
+    policy.bind({"int8+prefix_cache": "int8", "int8+speculative": "int8-ngram"}, drafting=frozenset({"int8+speculative"}))
+    for _ in range(6):
+        f = feats(max_tokens=33)
+        teach(policy, "int8+prefix_cache", f, 0.020)
+        # 33 tokens in 9 target steps at 8.25 ms a token: 33 ms a drafting step
+        quoted = served("int8+speculative", f, 0.1, 0.00825, 1.0)
+        policy.observe(dataclasses.replace(quoted, target_steps=9))
+    step = policy.models["int8+speculative"].tpot.predict(tpot_x("int8+speculative", feats()))
+    assert step == pytest.approx(0.033, rel=0.01)
+    # the same request: drafting wins where 3 tokens per step are predicted, the plain batch where 1 is
+    assert policy.choose(feats(max_tokens=33, draft_tokens_per_step=3.0), {}).mode == "int8+speculative"
+    assert policy.choose(feats(max_tokens=33, draft_tokens_per_step=1.0), {}).mode == "int8+prefix_cache"
+    # a drafting request without its step count teaches the first-token model only
+    n = policy.models["int8+speculative"].tpot.n
+    policy.observe(served("int8+speculative", feats(), 0.1, 0.5, 1.0))
+    assert policy.models["int8+speculative"].tpot.n == n

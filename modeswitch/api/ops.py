@@ -73,7 +73,7 @@ def modes():
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                     "quality_gate": gate, "memory": service.registry.memory(),
                     "startup_seconds": service.registry.startup_seconds(), "engine": service.registry.engine_kind,
-                    "vllm_engines": service.registry.engines()})
+                    "vllm_engines": service.registry.engines(), "speculation": service.speculation.describe()})
 
 
 # ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)

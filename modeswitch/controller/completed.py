@@ -27,6 +27,9 @@ class Completed:
     energy_source: str           # "measured" or "estimated" (never summed together)
     retried: bool                # another mode refused or failed it first: timings span modes
     scoring: bool                # prompt logprobs were asked for (costs differ from generation)
+    prompt_ids: tuple[int, ...] = ()   # the prompt, and the tokens generated (what drafting would have seen)
+    output_ids: tuple[int, ...] = ()
+    target_steps: int | None = None    # a speculative mode's target steps (None: not speculative)
 
 
 #: Something that wants every completed request (``Controller.add_observer``).

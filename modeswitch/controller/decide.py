@@ -70,7 +70,7 @@ class Controller:
     def rebind(self) -> None:
         """Tell the policy which modes share a batch, as the modes stand now (again once the modes of a
         staged start have come up)."""
-        self.policy.bind(self.batches(), self.batching())
+        self.policy.bind(self.batches(), self.batching(), self.drafting())
 
     def batches(self) -> dict[str, str]:
         """Each resident mode's running batch (what a policy may learn once for all the modes sharing it)."""
@@ -79,6 +79,10 @@ class Controller:
     def batching(self) -> frozenset[str]:
         """The resident modes whose engine runs several requests in one batch."""
         return frozenset(name for name, mode in self.modes.items() if mode.batch_slots > 1)
+
+    def drafting(self) -> frozenset[str]:
+        """The resident modes that decode speculatively."""
+        return frozenset(name for name, mode in self.modes.items() if mode.speculative)
 
     def filter(self, features: Features, exclude: frozenset[str] = frozenset()) -> dict[str, Verdict]:
         """Modes a gate rejects for this request, with the first gate's verdict."""
@@ -175,6 +179,6 @@ class Controller:
         with self._reload_lock:
             self.close()  # a learning policy's state is saved first, so reloading its own file keeps what it learned
             new = load_policy(path or self.policy.source, self.defined_modes)
-            new.bind(self.batches(), self.batching())
+            new.bind(self.batches(), self.batching(), self.drafting())
             self.policy = new
             return new

@@ -22,6 +22,11 @@ FEATURE_DOCS = {
     "scoring": "1 when the request asks for prompt logprobs (echo + logprobs), else 0",
     "prefix_cache_batched": "1 when a mode that reads a prefix cache batches its requests with others (vLLM "
                             "engines: reading the cache costs a request nothing), 0 when it serves one at a time",
+    "prompt_repeat": "share of the prompt's last 256 tokens' trigrams that occur earlier in them (0..1)",
+    "draft_tokens_per_step": "tokens per target step prompt-lookup drafting is predicted to yield for this request "
+                             "(1: no gain; learned from earlier requests of its kind, controller/speculation.py)",
+    "speculation_gain": "the request's predicted speed-up on the best speculative mode over the plain batch on the "
+                        "same weights, at the current load (0 when no speculative mode is resident)",
 }
 
 
@@ -45,6 +50,10 @@ class Features:
     in_flight_by_mode: Mapping[str, int] = field(default_factory=dict)
     #: 1 when a prefix-cache mode runs requests in a batch (see FEATURE_DOCS)
     prefix_cache_batched: int = 0
+    #: what drafting is expected to do for this request (see FEATURE_DOCS)
+    prompt_repeat: float = 0.0
+    draft_tokens_per_step: float = 1.0
+    speculation_gain: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -56,6 +56,11 @@ explores each batch, not each mode (on the nine reference modes on vLLM, three e
 modes once the gate has removed GPTQ), and each exploration it skips is a request not sent to a mode slower
 than the best.
 
+A batch that drafts (speculative decoding) learns its time per target step instead of per token: how many
+tokens a step yields depends on the request (an answer quoting its prompt: several; free prose: about one), so
+its time per token is predicted as the step time over the request's ``draft_tokens_per_step`` feature, which
+:mod:`.speculation` predicts from every earlier request of its kind.
+
 Plain numpy least squares rather than river or scikit-learn: three 4-5 dimensional models per mode, an
 exact closed-form update, and predictions as Python dot products keep a decision in microseconds.
 """
@@ -78,6 +83,7 @@ from .completed import Completed
 from .features import Features
 from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy
 from .quality import QualityPolicy
+from .speculation import tokens_per_step
 from .verdicts import Verdict
 
 log = logging.getLogger(__name__)
@@ -87,7 +93,7 @@ SAVE_EVERY = 10
 #: weight of each arrival in the moving mean of the requests arrivals find in flight (about the last ten)
 LOAD_WEIGHT = 0.1
 #: the state file's layout (feature order, what each model keeps): a file of another version is not read
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class OnlineLinear:
@@ -176,6 +182,9 @@ class ModeModel:
     arguments name those modes (empty: ``mode`` alone): their requests in flight are the queue in front."""
 
     forgetting: float
+    #: the batch drafts (speculative decoding): its time model is per target step, and a request's time per token
+    #: is that over the tokens per step predicted for it (``Features.draft_tokens_per_step``)
+    drafts: bool = False
     ttft: OnlineLinear = field(init=False)
     tpot: OnlineLinear = field(init=False)
     energy: OnlineLinear = field(init=False)
@@ -215,14 +224,20 @@ class ModeModel:
         if u < whole:  # no later than prefilling the whole prompt (see above)
             ttft += min(0.0, a[1] * (whole - u) + a[2] * (whole * whole - u * u))
         tpot = b[0] + b[1] * f.prompt_tokens / 1000.0 + b[2] * q + b[3] * d
+        if self.drafts:
+            tpot /= max(f.draft_tokens_per_step, 1.0)
         return max(ttft, 0.0) + max(f.max_tokens - 1, 0) * max(tpot, 0.0)
 
     def energy_j(self, mode: str, f: Features) -> float:
         return max(self.energy.predict(energy_x(mode, f)), 0.0)
 
     def update(self, mode: str, f: Features, ttft_s: float, tpot_s: float | None, energy_j: float | None,
-               batch: tuple[str, ...] = ()) -> None:
+               batch: tuple[str, ...] = (), tokens_per_step: float | None = None) -> None:
+        """``tokens_per_step``: what drafting yielded for this request (a drafting batch learns per target step;
+        without it a drafting batch learns no time per token from the request)."""
         self.ttft.update(ttft_x(mode, f, batch), ttft_s)
+        if self.drafts and tpot_s is not None:
+            tpot_s = tpot_s * tokens_per_step if tokens_per_step else None
         if tpot_s is not None:
             self.tpot.update(tpot_x(mode, f, batch), tpot_s)
         if energy_j is not None:
@@ -273,6 +288,7 @@ class LearnedPolicy:
         self._lock = threading.Lock()
         self._rng = random.Random(self.explore.seed)
         self.batching: frozenset[str] = frozenset()
+        self.drafting: frozenset[str] = frozenset()
         self._saved = self._read_saved()
         self.siblings: dict[str, tuple[str, ...]] = {}
         self.models = {}
@@ -302,8 +318,9 @@ class LearnedPolicy:
             key = batches.get(m) or m
             groups[key] = (*groups.get(key, ()), m)
         kept = {group[0]: self.models[group[0]] for group in groups.values()
-                if all(self.siblings.get(m) == group for m in group)}
-        fresh = {group[0]: ModeModel(self.forgetting) for group in groups.values() if group[0] not in kept}
+                if all(self.siblings.get(m) == group for m in group) and self.models[group[0]].drafts == (group[0] in self.drafting)}
+        fresh = {group[0]: ModeModel(self.forgetting, group[0] in self.drafting) for group in groups.values()
+                 if group[0] not in kept}
         shared = {**kept, **fresh}
         #: per mode, the modes sharing its running batch (itself included)
         self.siblings = {m: group for group in groups.values() for m in group}
@@ -328,12 +345,13 @@ class LearnedPolicy:
                 "shared_batches": sorted({s for s in self.siblings.values() if len(s) > 1}),
                 "state": str(self.state_path) if self.state_path else None}
 
-    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset()) -> None:
+    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset(),
+             drafting: frozenset[str] = frozenset()) -> None:
         """Share one model among the modes of each running batch (modes the server does not name run alone);
-        ``batching``: the modes whose engine batches requests. Called by the controller before the policy
-        decides anything; what was restored fills the new models."""
+        ``batching``: the modes whose engine batches requests; ``drafting``: those that decode speculatively.
+        Called by the controller before the policy decides anything; what was restored fills the new models."""
         with self._lock:
-            self.batching = frozenset(batching)
+            self.batching, self.drafting = frozenset(batching), frozenset(drafting)
             self._group(batches)
 
     # ------------------------------------------------------------------ deciding
@@ -425,7 +443,8 @@ class LearnedPolicy:
         if model is None or c.outcome != "ok" or c.scoring or c.retried or c.ttft_s is None:
             return
         with self._lock:
-            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j, self.siblings[c.mode])
+            model.update(c.mode, c.features, c.ttft_s, c.tpot_s, c.energy_j, self.siblings[c.mode],
+                         tokens_per_step(c.completion_tokens, c.target_steps))
             self._since_save += 1
             if self.state_path is not None and self._since_save >= SAVE_EVERY:
                 self.save()
@@ -436,8 +455,9 @@ class LearnedPolicy:
         for r in records:
             if r.get("mode") in modes and r.get("ok") and r.get("features"):
                 f = features_from(r["features"])
+                steps = (r.get("speculative") or {}).get("target_steps")
                 self.models[r["mode"]].update(r["mode"], f, r["ttft_s"], r.get("tpot_s"), r.get("energy_j"),
-                                              self.siblings[r["mode"]])
+                                              self.siblings[r["mode"]], tokens_per_step(r.get("tokens", 0), steps))
                 used += 1
         log.debug("learned policy %s: %d warm-start records replayed", self.name, used)
 

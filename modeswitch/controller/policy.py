@@ -94,10 +94,12 @@ class Policy(Protocol):
     def save(self) -> None:
         """Persist what the policy has learned (before a reload, at shutdown)."""
 
-    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset()) -> None:
+    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset(),
+             drafting: frozenset[str] = frozenset()) -> None:
         """Which resident modes share one running batch (mode -> its engine's name): modes that differ only
         in per-request options there cost the same, which a learning policy need not learn twice.
-        ``batching``: the modes whose engine runs requests together (the rest serve one at a time)."""
+        ``batching``: the modes whose engine runs requests together (the rest serve one at a time);
+        ``drafting``: the modes that decode speculatively."""
 
 
 def parse_common(sec: Section, source: str, known: set[str]) -> dict[str, Any]:

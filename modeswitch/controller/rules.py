@@ -156,7 +156,8 @@ class RulePolicy:
     def save(self) -> None:
         """Nothing learned, nothing to save."""
 
-    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset()) -> None:
+    def bind(self, batches: Mapping[str, str], batching: frozenset[str] = frozenset(),
+             drafting: frozenset[str] = frozenset()) -> None:
         """A rule table names its modes itself: which share a batch changes nothing."""
 
 

@@ -43,6 +43,10 @@ class ModeView(Protocol):
         """Requests its engine generates at once (1: one at a time)."""
 
     @property
+    def speculative(self) -> bool:
+        """It drafts tokens and verifies them (speculative decoding): its time per token depends on acceptance."""
+
+    @property
     def supports_sampling(self) -> bool:
         """It can decode with temperature > 0 (else greedy only)."""
 
