@@ -9,16 +9,19 @@ from modeswitch.yamlconf import ConfigError, load_yaml
 
 REFERENCE = {"fp16", "gptq", "int8", "speculative", "prefix_cache", "continuous_batching", "gptq+prefix_cache",
              "int8+continuous_batching", "int8+prefix_cache"}
+HYBRIDS = {"int8+speculative"}  # beyond the reference design's nine
 EXTRA = {"speculative_ngram", "speculative_gptq_draft"}  # modes/extra, loaded by the test server
 
 
-def test_the_reference_set_of_9_modes_is_shipped():
+def test_the_reference_set_of_9_modes_and_the_hybrids_are_shipped():
     modes = {m.name: m for m in load_modes()}
-    assert set(modes) == REFERENCE
+    assert set(modes) == REFERENCE | HYBRIDS
     assert modes["gptq+prefix_cache"].weights == "gptq" and modes["gptq+prefix_cache"].prefix_cache
     assert modes["int8+continuous_batching"].batching == "continuous"
     assert modes["int8+prefix_cache"].weights == "int8" and modes["int8+prefix_cache"].prefix_cache
     assert modes["speculative"].speculative.draft == "auto"
+    drafting = modes["int8+speculative"]
+    assert drafting.weights == "int8" and drafting.speculative.draft == "ngram" and drafting.prefix_cache
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -35,11 +38,11 @@ def test_invalid_mode_files_name_the_problem(text, fragment):
     assert fragment in str(exc.value)
 
 
-def test_modes_endpoint_lists_all_8_available_and_an_unservable_one_with_its_reason(server):
+def test_modes_endpoint_lists_all_available_and_an_unservable_one_with_its_reason(server):
     body = server.get("/v1/modes").json()
     modes = {m["name"]: m for m in body["modes"]}
-    assert set(modes) == REFERENCE | EXTRA | {"speculative_draft_model"}
-    for name in REFERENCE | EXTRA:
+    assert set(modes) == REFERENCE | HYBRIDS | EXTRA | {"speculative_draft_model"}
+    for name in REFERENCE | HYBRIDS | EXTRA:
         assert modes[name]["status"] == "available" and modes[name]["reason"] == "", modes[name]
         assert modes[name]["engine"] == "transformers"
     broken = modes["speculative_draft_model"]
@@ -70,4 +73,4 @@ def test_models_and_health(server):
     models = server.get("/v1/models").json()
     assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 8192
     health = server.get("/health").json()
-    assert health["status"] == "ok" and health["modes_available"] == len(REFERENCE | EXTRA)
+    assert health["status"] == "ok" and health["modes_available"] == len(REFERENCE | HYBRIDS | EXTRA)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from modeswitch.engines.vllm_plugin import engine_cpus
 from modeswitch.priority import SCHED_IDLE, BackgroundStarts, can_lower_and_restore
 
 pytestmark = pytest.mark.skipif(not can_lower_and_restore(), reason="this process may not leave SCHED_IDLE")
@@ -66,6 +67,7 @@ class SleeperRunner:
         self.pids = [self.proc.pid]
         self.engine_args, self.max_num_seqs = engine_args, 4
         self.kernels: dict = {}  # a sleeper runs no linears
+        self.cpus = engine_cpus(engine_args)  # what a real runner's worker is bound to
         SleeperRunner.started[name] = os.sched_getscheduler(0), os.sched_getscheduler(self.proc.pid)
 
     def close(self) -> None:
@@ -96,5 +98,8 @@ def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up
         assert SleeperRunner.started == {"fp16": (os.SCHED_OTHER, os.SCHED_OTHER),
                                          "fp16+ngram-draft": (SCHED_IDLE, SCHED_IDLE)}
         assert [os.sched_getscheduler(mode.engine.runner.proc.pid) for mode in built] == [os.SCHED_OTHER] * 2
+        if len(os.sched_getaffinity(0)) > 1:  # each engine on its own CPUs, the first engine's first
+            cpus = [mode.details["cpus"] for mode in built]
+            assert cpus[0] != cpus[1] and cpus[0][0] == min(os.sched_getaffinity(0))
     finally:
         backend.close()

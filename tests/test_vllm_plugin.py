@@ -4,6 +4,7 @@ groups in real processes, set up as vLLM's CPU worker sets them up (a default gr
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -51,3 +52,33 @@ def test_groups_across_two_processes_share_one_device_and_still_reduce_right():
 def test_without_the_variable_the_plugin_leaves_torch_as_shipped():
     """vLLM's own server in the comparisons loads the plugin from the same environment: one device per group."""
     assert run_ranks(world=1, shared=False) == [(GROUPS * 3, GROUPS + 1)]
+
+
+BIND = """
+import json, sys
+from types import SimpleNamespace
+from vllm.utils.ompmultiprocessing import OMPProcessManager
+from modeswitch.engines.vllm_plugin import CPUS_KEY, register
+register()
+register()  # vLLM may call it more than once a process
+parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
+def lists(additional):
+    config = SimpleNamespace(parallel_config=parallel, kv_transfer_config=None, additional_config=additional)
+    manager = OMPProcessManager(config)
+    with manager.configure_omp_envs(0, 0):
+        import os
+        return manager.cpu_lists, os.environ.get("OMP_NUM_THREADS")
+print(json.dumps([lists({CPUS_KEY: sys.argv[1]}), lists({})]))
+"""
+
+
+def test_an_engines_worker_is_bound_to_the_cpus_its_config_names():
+    """The CPUs travel in the engine's own config and are bound where vLLM binds its worker's threads; an engine
+    whose config names none (vLLM's own server) is bound as vLLM binds it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", BIND, str(cpus[-1])], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    (named, threads), (default, _) = json.loads(out.stdout.strip().splitlines()[-1])
+    assert named == [[cpus[-1]]] and threads == "1"
+    assert default and default != named or len(cpus) == 1  # vLLM's auto binding: all CPUs but its scheduler's

@@ -34,6 +34,7 @@ import psutil
 
 from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
 from .paged_prefix import PagedPrefixShadow
+from . import vllm_plugin
 from .vllm_probe import WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ MIN_KV_BYTES = 64 * 2**20
 
 
 def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_bytes: int, max_num_seqs: int,
-                enforce_eager: bool, speculative_config: dict[str, Any] | None = None) -> dict[str, Any]:
+                enforce_eager: bool, speculative_config: dict[str, Any] | None = None,
+                cpus: list[int] | None = None) -> dict[str, Any]:
     """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, draft, its
     planned KV bytes and batch bound) plus what every engine here runs with: prefix caching on (modes
     without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging, and
@@ -95,6 +97,8 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     )
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
+    if cpus:  # the CPUs its worker computes on (vllm_plugin binds them in the engine's own process)
+        args["additional_config"] = {vllm_plugin.CPUS_KEY: ",".join(map(str, cpus))}
     return args
 
 
@@ -171,6 +175,8 @@ class VllmRunner:
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
+        #: the CPUs its worker computes on, where the backend chose them (else vLLM's own binding)
+        self.cpus: list[int] = vllm_plugin.engine_cpus(engine_args)
         #: held around every call into the engine from outside its step (adding, aborting: vLLM's input
         #: socket and request table are not safe from two threads at once) and around changes to ``_live``
         self._engine_lock = threading.Lock()

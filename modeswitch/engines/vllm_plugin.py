@@ -2,7 +2,13 @@
 point (declared in pyproject.toml), which vLLM loads in its engine-core and worker processes before they set up
 torch.distributed.
 
-It gives all of a process's gloo groups one gloo device. vLLM's CPU worker sets up 13 torch.distributed gloo
+It binds an engine's worker to the CPUs ModeSwitch chose for that engine (``CPUS_KEY`` in the engine's
+``additional_config``). vLLM binds a CPU worker's threads to the CPUs its ``VLLM_CPU_OMP_THREADS_BIND`` names,
+read in the engine-core process when it starts its workers; the variable is process-wide, and engines start
+together from one process, so each engine's choice travels in its own config instead. A worker re-pinned from
+outside after it started does not stay put: its OpenMP runtime binds its main thread to its places again.
+
+It also gives all of a process's gloo groups one gloo device. vLLM's CPU worker sets up 13 torch.distributed gloo
 groups even for a single process, and torch gives each group a TCP device of its own, whose event-loop thread
 (``gloo_tcp_loop``) wakes every 10 ms: 1.6 % of a core per idle engine, all the CPU an idle resident mode
 costs, and 6-7 % for the four engines of the 8 modes. Gloo keeps its connections per group (context), not per
@@ -19,12 +25,41 @@ import os
 
 #: Set to "1" in the environment of the engines that share one gloo device.
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
+#: the key of ``additional_config`` that names the CPUs an engine's worker computes on ("0,1": vLLM's list form)
+CPUS_KEY = "modeswitch_cpus"
 
 
 def register() -> None:
     """The entry point vLLM calls, possibly more than once a process."""
     if os.environ.get(ENV) == "1":
         share_gloo_device()
+    bind_engine_cpus()
+
+
+def engine_cpus(engine_args: dict) -> list[int]:
+    """The CPUs ``engine_args`` bind the engine's worker to (empty: vLLM's own binding)."""
+    listed = (engine_args.get("additional_config") or {}).get(CPUS_KEY, "")
+    return [int(c) for c in listed.split(",") if c]
+
+
+def bind_engine_cpus() -> None:
+    """Have vLLM's CPU process manager bind the worker to the CPUs the engine's config names, where it names
+    them (engines ModeSwitch starts); otherwise it binds as configured. Idempotent."""
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    init = OMPProcessManager.__init__
+    if getattr(init, "binds_engine_cpus", False):
+        return
+
+    def __init__(self, config) -> None:
+        init(self, config)
+        listed = (getattr(config, "additional_config", None) or {}).get(CPUS_KEY)
+        if listed and getattr(self, "cpu_lists", None) is not None:
+            self.skip_setup, self.auto_setup = False, False
+            self.cpu_lists = [[int(c) for c in listed.split(",")]] * len(self.cpu_lists or [0])
+
+    __init__.binds_engine_cpus = True
+    OMPProcessManager.__init__ = __init__
 
 
 def share_gloo_device() -> None:
