@@ -11,12 +11,17 @@ from modeswitch.bench.workloads import REFERENCE, Shape, TextSource, arrivals, p
 
 
 @pytest.fixture(scope="module")
-def source():
+def tokenizer():
     from transformers import AutoTokenizer
 
     from modeswitch.models import local_or_hub, resolve_preset
 
-    return TextSource(AutoTokenizer.from_pretrained(local_or_hub(resolve_preset("demo").fp16, "tokenizer")))
+    return AutoTokenizer.from_pretrained(local_or_hub(resolve_preset("demo").fp16, "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def source(tokenizer):
+    return TextSource(tokenizer)
 
 
 def test_traces_have_the_same_shapes_in_every_run_but_their_own_text(source):
@@ -30,6 +35,28 @@ def test_traces_have_the_same_shapes_in_every_run_but_their_own_text(source):
     assert len(shared) >= 2 and all(p == shared[0] for p in shared)
     firsts = [s.prompt_ids[:8] for s in a if s.workload != "shared_prefix"]
     assert len({tuple(p) for p in firsts}) == len(firsts)  # every other prompt starts differently
+
+
+def test_the_changing_workload_has_its_phases_and_copying_prompts(tokenizer):
+    """Each phase at its concurrency; the lulls alternate prompts to copy with prose; the shared-prefix questions
+    share one document; a run's text is its own and the same for every server."""
+    from modeswitch.bench.phases import phases
+    from modeswitch.controller.speculation import ngram_steps
+
+    lull, burst, shared, lull2 = phases(tokenizer, run=0)
+    assert [p.name for p in (lull, burst, shared, lull2)] == ["lull", "burst", "shared_prefix", "lull2"]
+    assert (lull.concurrency, burst.concurrency, shared.concurrency) == (1, 12, 4)
+    assert [s.workload for s in lull.slots] == ["lull:copy", "lull:prose"] * 3
+    # a faithful answer to a copying prompt is drafted several tokens a step from the prompt itself
+    quote = tokenizer.decode(lull.slots[0].prompt_ids).split("nothing:\n\n")[1].split("<|im_end|>")[0]
+    answer = tokenizer(quote).input_ids
+    assert len(answer) / ngram_steps(lull.slots[0].prompt_ids, answer) > 3
+    assert all(len(s.prompt_ids) == 256 for s in burst.slots)
+    document = [s.prompt_ids[:500] for s in shared.slots]
+    assert all(d == document[0] for d in document) and len({tuple(s.prompt_ids) for s in shared.slots}) == 12
+    again = phases(tokenizer, run=0)
+    assert [s.prompt_ids for s in again[0].slots] == [s.prompt_ids for s in lull.slots]
+    assert phases(tokenizer, run=1)[1].slots[0].prompt_ids != burst.slots[0].prompt_ids
 
 
 def test_prefix_reuse_and_arrival_patterns(source):

@@ -1,0 +1,202 @@
+"""A changing workload against every static configuration of vLLM's own server, and ModeSwitch's default.
+
+One trace of four phases (``modeswitch.bench.phases``): a lull at 1 client where half of the requests copy
+their prompt (a list, code, a paragraph) and half write prose; a burst of prose continuations at 12 clients;
+questions about one shared document at 4 clients; a lull again. All greedy, streamed over HTTP, the same
+token ids to every server. Per server and phase: mean and p90 end-to-end latency, output tok/s over the
+phase's wall time, the tokens generated, and (ModeSwitch) the modes that served.
+
+Servers run one at a time (nothing else running; ModeSwitch's engines and three vLLM servers do not fit in
+memory together here): start, one warm-up trace (other prompts, not counted: first-shape compilation, and
+what a server that has run a while has learned), then ``--repeats`` traces with other prompts each. The
+whole sequence runs ``--rounds`` times, so drift over the run shows as spread instead of as a ratio.
+
+Static configurations of vLLM's server, in the reference dtype: plain; n-gram speculation (k=5, as vLLM's
+docs show it); n-gram with vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``: fewer draft
+tokens as the batch grows). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's W8A8 checkpoint with n-gram
+speculation: the static configuration of ModeSwitch's fastest mode, to tell the controller's part from the
+weights'.
+
+    .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.bench.client import pct, send  # noqa: E402
+from modeswitch.bench.phases import phases  # noqa: E402
+from modeswitch.bench.report import processor, save_results  # noqa: E402
+from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
+from modeswitch.launcher import ROOT  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+#: vLLM's dynamic speculation: k by the batch size (inclusive ranges)
+SCHEDULE = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 6, 3], [7, 256, 1]]}
+WARMUP_RUN = 1000  # the warm-up trace's prompts: far from the measured runs' text
+
+
+def every_core() -> str:
+    """vLLM's CPU binding of a worker to every core of this machine (by default it leaves one to its scheduler)."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
+    servers = [Server(f"vLLM {REFERENCE_DTYPE}"),
+               Server(f"vLLM {REFERENCE_DTYPE} + n-gram k=5", vllm_flags=["--speculative-config", json.dumps(NGRAM)]),
+               Server(f"vLLM {REFERENCE_DTYPE} + n-gram by batch size",
+                      vllm_flags=["--speculative-config", json.dumps(SCHEDULE)]),
+               Server(f"vLLM {REFERENCE_DTYPE} + n-gram k=5, OMP on every core", env={"VLLM_CPU_OMP_THREADS_BIND": every_core()},
+                      vllm_flags=["--speculative-config", json.dumps(NGRAM)])]
+    if w8a8_peer:
+        servers.append(Server("vLLM W8A8 + n-gram k=5", checkpoint=checkpoint,
+                              vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
+    return servers
+
+
+def run_trace(server: Server, tokenizer, run: int) -> list[dict]:
+    """Every phase of run ``run`` in order, each at its own concurrency; records tagged with phase and wall time."""
+    records = []
+    for phase in phases(tokenizer, run):
+        t0 = time.perf_counter()
+        got = send(server.url, list(phase.slots), concurrency=phase.concurrency)
+        wall = time.perf_counter() - t0
+        for r in got:
+            r.update(phase=phase.name, phase_wall_s=wall, run=run)
+        failed = [r for r in got if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"{server.label}: {len(failed)} of {len(got)} requests failed in {phase.name}: "
+                               f"{failed[0]['error']}")
+        records += got
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    """Latency, throughput and mode mix of one server's records in one phase (or all), over every run."""
+    lat = [r["latency_s"] for r in records]
+    by_run: dict[int, list[dict]] = {}
+    for r in records:
+        by_run.setdefault(r["run"], []).append(r)
+    run_means = [statistics.fmean(r["latency_s"] for r in rs) for rs in by_run.values()]
+    walls = {(r["run"], r["phase"]): r["phase_wall_s"] for r in records}
+    tokens = sum(r["tokens"] for r in records)
+    return {"requests": len(records), "mean_s": statistics.fmean(lat), "p90_s": pct(lat, 0.9),
+            "run_means_s": run_means, "tokens": tokens, "out_tok_s": tokens / sum(walls.values()),
+            "modes": dict(Counter(r["mode"] for r in records if r.get("mode")))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--modeswitch", action="append", default=None,
+                    help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: make serve's)")
+    ap.add_argument("--repeats", type=int, default=2, help="measured traces per server start, other prompts each")
+    ap.add_argument("--rounds", type=int, default=1, help="times the whole sequence of servers runs")
+    ap.add_argument("--w8a8-peer", action="store_true", help="add vLLM's server on the W8A8 checkpoint + n-gram")
+    ap.add_argument("--only", action="append", default=None, help="a server's label to run (repeatable; default: all)")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from modeswitch.models import local_or_hub, resolve_preset
+
+    preset = resolve_preset(args.model)
+    model_dir = local_or_hub(preset.fp16, "fp16 weights")
+    checkpoint = local_or_hub(preset.w8a8, "W8A8 weights") if args.w8a8_peer else None
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    servers = static_servers(args.w8a8_peer, checkpoint)
+    servers += [Server(*s.split("=", 1)) for s in args.modeswitch or ["ModeSwitch default (make serve)="]]
+    if args.only:
+        servers = [s for s in servers if s.label in args.only]
+    records: dict[str, list[dict]] = {s.label: [] for s in servers}
+    served: dict[str, Counter] = {s.label: Counter() for s in servers}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for server in servers:
+                server.proc, server.url = None, ""  # a fresh start each round
+                try:
+                    server.start(model_dir, args.model, Path(tmp))
+                    run_trace(server, tokenizer, WARMUP_RUN + rnd)
+                    for i in range(args.repeats):
+                        got = run_trace(server, tokenizer, rnd * args.repeats + i)
+                        records[server.label] += got
+                        mean = statistics.fmean(r["latency_s"] for r in got)
+                        print(f"  round {rnd}, {server.label}, run {i}: mean {mean:.3f} s", flush=True)
+                finally:
+                    server.stop()
+                served[server.label].update(server.served)
+    summary = summaries(records)
+    table = report(summary)
+    print(table)
+    stem = save_results(args.out, f"changing_{Path(args.model).name}", args.tag,
+                        {"model": args.model, "processor": processor(), "repeats": args.repeats, "rounds": args.rounds,
+                         "summary": summary,
+                         "requests_by_mode": {k: dict(v) for k, v in served.items()},
+                         "records": {label: [compact(r) for r in rs] for label, rs in records.items()}},
+                        f"# A changing workload ({args.model}, {processor()})\n\n{args.rounds} round(s) x {args.repeats} "
+                        f"trace(s) per server, one server at a time.\n\n{table}\n")
+    print(f"wrote {stem}.json/.md")
+    return 0
+
+
+PHASES = ("lull", "burst", "shared_prefix", "lull2", "overall")
+#: what a saved record keeps of the features a ModeSwitch server decided on
+KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain")
+
+
+def compact(record: dict) -> dict:
+    """A record as saved: the features that explain a drafting decision, not every one."""
+    features = record.get("features") or {}
+    return {**record, "features": {k: features[k] for k in KEPT_FEATURES if k in features} or None}
+
+
+def summaries(records: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """Per server (that ran) and phase, and overall: :func:`summarize`."""
+    return {label: {p: summarize([r for r in rs if p == "overall" or r["phase"] == p]) for p in PHASES}
+            for label, rs in records.items() if rs}
+
+
+def report(summary: dict[str, dict[str, dict]]) -> str:
+    """The table: per phase and overall, each server's mean (range of run means) / p90 / tok/s; then per ModeSwitch
+    server the ratio of the best static configuration's mean to its own, in every phase (the best of each phase)
+    and per run (the same prompts), against vLLM's configurations in the reference dtype (the target) and against
+    every vLLM row (the W8A8 peer included: what the weights alone give)."""
+    lines = ["| server | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for label, phases_ in summary.items():
+        cells = []
+        for p in PHASES:
+            s = phases_[p]
+            cells.append(f"{s['mean_s']:.3f} s ({min(s['run_means_s']):.3f}-{max(s['run_means_s']):.3f}), "
+                         f"p90 {s['p90_s']:.2f}, {s['out_tok_s']:.0f} tok/s, {s['tokens']} tok")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    reference = [label for label in summary if label.startswith(f"vLLM {REFERENCE_DTYPE}")]
+    every = [label for label in summary if label.startswith("vLLM")]
+    for label in (l for l in summary if l not in every):
+        for name, static in (("reference-dtype vLLM", reference), ("any vLLM row", every)):
+            if not static:
+                continue
+            cells = []
+            for p in PHASES:
+                best = min(static, key=lambda l: summary[l][p]["mean_s"])
+                ratio = summary[best][p]["mean_s"] / summary[label][p]["mean_s"]
+                per_run = [min(summary[l][p]["run_means_s"][i] for l in static) / own
+                           for i, own in enumerate(summary[label][p]["run_means_s"])]
+                cells.append(f"**{ratio:.2f}x** (runs {', '.join(f'{r:.2f}' for r in per_run)}) vs {best}")
+            lines.append(f"| {label}: best {name} / it | " + " | ".join(cells) + " |")
+        mix = "; ".join(f"{p}: {summary[label][p]['modes']}" for p in PHASES[:-1])
+        lines.append(f"| {label}: modes | {mix} |" + " |" * (len(PHASES) - 1))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
