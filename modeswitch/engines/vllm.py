@@ -98,7 +98,7 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
     if cpus:  # the CPUs its worker computes on (vllm_plugin binds them in the engine's own process)
-        args["additional_config"] = {vllm_plugin.CPUS_KEY: ",".join(map(str, cpus))}
+        args["additional_config"] = vllm_plugin.cpus_config(cpus)
     return args
 
 

@@ -36,10 +36,19 @@ def register() -> None:
     bind_engine_cpus()
 
 
+def cpus_config(cpus: list[int]) -> dict[str, str]:
+    """The ``additional_config`` that binds an engine's worker to ``cpus``."""
+    return {CPUS_KEY: ",".join(map(str, cpus))}
+
+
+def _named_cpus(additional_config: dict | None) -> list[int]:
+    listed = (additional_config or {}).get(CPUS_KEY, "")
+    return [int(c) for c in listed.split(",") if c]
+
+
 def engine_cpus(engine_args: dict) -> list[int]:
     """The CPUs ``engine_args`` bind the engine's worker to (empty: vLLM's own binding)."""
-    listed = (engine_args.get("additional_config") or {}).get(CPUS_KEY, "")
-    return [int(c) for c in listed.split(",") if c]
+    return _named_cpus(engine_args.get("additional_config"))
 
 
 def bind_engine_cpus() -> None:
@@ -53,10 +62,10 @@ def bind_engine_cpus() -> None:
 
     def __init__(self, config) -> None:
         init(self, config)
-        listed = (getattr(config, "additional_config", None) or {}).get(CPUS_KEY)
-        if listed and getattr(self, "cpu_lists", None) is not None:
+        cpus = _named_cpus(getattr(config, "additional_config", None))
+        if cpus and getattr(self, "cpu_lists", None) is not None:
             self.skip_setup, self.auto_setup = False, False
-            self.cpu_lists = [[int(c) for c in listed.split(",")]] * len(self.cpu_lists or [0])
+            self.cpu_lists = [cpus] * len(self.cpu_lists or [0])
 
     __init__.binds_engine_cpus = True
     OMPProcessManager.__init__ = __init__
