@@ -21,7 +21,7 @@ from .backends.base import Progress
 from .config import LoadConfig
 from .device import device_type, free_memory
 from .energy import EnergyAccountant, meter_for
-from .engines.base import Engine, GenRequest, SamplingParams
+from .engines.base import OPTIONS, Engine, GenRequest, SamplingParams
 from .memory import MemoryPlan
 from .models import Preset
 from .modes import ModeSpec
@@ -124,14 +124,10 @@ class ModeState:
         return self.engine.max_queue if self.engine is not None else self.spec.max_queue
 
     @property
-    def supports_sampling(self) -> bool:
-        """False for a mode whose decoding settings are fixed at start (greedy requests only)."""
-        return self.engine is None or self.engine.supports_sampling
-
-    @property
-    def supports_scoring(self) -> bool:
-        """False for a mode that cannot return prompt logprobs."""
-        return self.engine is None or self.engine.supports_scoring
+    def capabilities(self) -> frozenset[str]:
+        """The request options its engine honours; a mode not loaded yet claims them all (it is filtered as
+        loading or unavailable before this is asked)."""
+        return self.engine.capabilities if self.engine is not None else OPTIONS
 
     @property
     def preallocated_kv(self) -> bool:
@@ -163,6 +159,7 @@ class ModeState:
             out["health"] = {"failures": self.failures, "last_error": self.last_error,
                              "quarantine_left_s": round(self.quarantine_left, 1)}
         if self.engine is not None:
+            out["honours"] = sorted(self.engine.capabilities)
             out["stats"] = self.engine.stats()
         return out
 

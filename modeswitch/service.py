@@ -18,7 +18,7 @@ from .controller.decide import Controller, NoEligibleMode
 from .controller.features import Features
 from .controller.speculation import REPLAY_K, SpeculationModel
 from .controller.verdicts import Code
-from .engines.base import Event, GenRequest, QueueFull, SamplingParams
+from .engines.base import Event, GenRequest, QueueFull, SamplingParams, TokenLogprobs
 from .metrics import Metrics
 from .device import memory_headroom
 from .registry import ModeRegistry
@@ -107,6 +107,9 @@ class Generation:
         self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
         self.request: GenRequest | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
+        #: generated tokens' logprobs (when asked for), and how many :meth:`take_logprobs` has handed out
+        self.token_logprobs: list[TokenLogprobs] = []
+        self._logprobs_taken = 0
         with service.routing:
             t0 = time.perf_counter()
             self.features = service.features(self.prompt_ids, params, task)
@@ -223,6 +226,7 @@ class Generation:
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
                     self.completion_tokens += len(event.token_ids)
+                    self.token_logprobs += event.info.get("logprobs", ())
                     delta = self.assembler.add(event.token_ids)
                     if delta:
                         yield delta
@@ -246,6 +250,18 @@ class Generation:
             outcome = "ok"
         finally:
             self._finish(outcome)
+
+    @property
+    def text(self) -> str:
+        """The text generated so far (all of it once :meth:`deltas` has ended)."""
+        return self.assembler.text
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The generated tokens' logprobs that arrived since the last call (the text they make has been yielded,
+        or is held back by the detokenizer)."""
+        new = self.token_logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.token_logprobs)
+        return new
 
     def _finish(self, outcome: str) -> None:
         self.finished_at = time.perf_counter()
@@ -346,6 +362,7 @@ class Service:
             prompt_repeat=drafting.repeat,
             draft_tokens_per_step=drafting.tokens_per_step,
             speculation_gain=drafting.best_gain,
+            needs=tuple(sorted(params.needs)),
         )
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),

@@ -35,13 +35,19 @@ def app(make_app):
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [-5, 3]}, "prompt"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 1, "echo": True, "max_tokens": 2}, "body"),
+    ({"best_of": 2}, "best_of"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ({"min_tokens": 9}, "min_tokens"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
 ])
 def test_invalid_completion_fields_are_400(app, patch, param):
     err = error_of(app.post("/v1/completions", json={**GOOD, **patch}), 400)

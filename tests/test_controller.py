@@ -18,6 +18,7 @@ from modeswitch.controller.completed import Completed
 from modeswitch.controller.decide import Controller, NoEligibleMode
 from modeswitch.controller.quality import QualityPolicy, judge
 from modeswitch.controller.verdicts import PRECEDENCE, Code, Verdict, most_hopeful
+from modeswitch.engines.base import OPTIONS
 from modeswitch.evals.gate import mark, render
 from modeswitch.metrics import Metrics
 from test_rules import MODES, feats, policy_from
@@ -36,8 +37,7 @@ class Mode:
     max_queue: int = 4
     batch_slots: int = 1
     speculative: bool = False
-    supports_sampling: bool = True
-    supports_scoring: bool = True
+    capabilities: frozenset = OPTIONS
     preallocated_kv: bool = False
     quarantine_left: float = 0.0
     last_error: str = ""
@@ -61,9 +61,10 @@ LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon
      "loading: its engine starts after the server began serving"),
     (Mode("gptq", quarantine_left=4.2, last_error="CUDA OOM"), {}, Code.QUARANTINED,
      "quarantined for 4 s after: CUDA OOM"),
-    (Mode("gptq", supports_sampling=False), {"greedy": 0}, Code.CAPABILITY,
-     "serves greedy requests only (temperature 0)"),
-    (Mode("gptq", supports_scoring=False), {"scoring": 1}, Code.CAPABILITY, "cannot return prompt logprobs"),
+    (Mode("gptq", capabilities=frozenset()), {"greedy": 0, "needs": ("temperature",)}, Code.CAPABILITY,
+     "cannot honour temperature"),
+    (Mode("gptq", capabilities=OPTIONS - {"prompt_logprobs", "logprobs"}),
+     {"needs": ("logprobs", "prompt_logprobs", "seed")}, Code.CAPABILITY, "cannot honour logprobs, prompt_logprobs"),
     (Mode("gptq", in_flight=4), {}, Code.SATURATED, "saturated: 4/4 in flight"),
     (Mode("gptq"), {"memory_headroom": 0.01, "prompt_tokens": 1000, "max_tokens": 24}, Code.MEMORY,
      "memory pressure: 1.0% free < 5.0%, and this mode would allocate ~1.0 MiB of KV for the request"),
@@ -106,16 +107,16 @@ def test_a_refusal_carries_the_most_hopeful_code_of_its_verdicts():
         ctl.decide(feats())
     assert exc.value.code is Code.SATURATED and exc.value.code.transient
     ctl.modes["fp16"].in_flight = 0
-    ctl.modes["fp16"].supports_sampling = False
+    ctl.modes["fp16"].capabilities = frozenset()
     with pytest.raises(NoEligibleMode) as exc:
-        ctl.decide(feats(greedy=0))
+        ctl.decide(feats(greedy=0, needs=("temperature",)))
     assert exc.value.code is Code.CAPABILITY and not exc.value.code.transient
 
 
 def test_while_the_policys_modes_load_a_request_goes_to_a_mode_that_passed_every_gate():
-    ctl = controller("rules: []\ndefault: [gptq]\n", Mode("fp16", supports_sampling=False),
+    ctl = controller("rules: []\ndefault: [gptq]\n", Mode("fp16", capabilities=frozenset()),
                      Mode("gptq", available=False, loading=True), Mode("int8"))
-    decision = ctl.decide(feats(greedy=0))
+    decision = ctl.decide(feats(greedy=0, needs=("temperature",)))
     assert (decision.mode, decision.rule) == ("int8", "while-loading")  # fp16 fails the capability gate
     assert "served by int8 while those load" in decision.reason
     with pytest.raises(NoEligibleMode) as exc:  # pinned: no substitute

@@ -9,7 +9,7 @@ import pytest
 
 from modeswitch.backends.base import BuiltMode, ModelInfo
 from modeswitch.config import LoadConfig
-from modeswitch.engines.base import Engine, GenRequest, SamplingParams
+from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
 from modeswitch.memory import Footprint, MemoryBudgetExceeded
 from modeswitch.models import PRESETS
 from modeswitch.modes import ModeSpec
@@ -127,7 +127,7 @@ def test_mode_state_is_what_the_controller_reads():
     state.engine.submit(req)
     assert req.events.get(timeout=5).token_ids == (1, 2)
     assert (state.available, state.reason, state.in_flight, state.max_queue) == (True, "", 0, 8)
-    assert (state.supports_sampling, state.supports_scoring, state.preallocated_kv) == (True, True, False)
+    assert (state.capabilities, state.preallocated_kv) == (OPTIONS, False)
     assert state.quarantine_left == 0 and state.last_error == "" and state.j_per_token is None
     state.record_failure("boom")
     assert state.quarantine_left > 0 and state.last_error == "boom"

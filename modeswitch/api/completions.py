@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from flask import Blueprint
 
+from ..engines.base import TokenLogprobs
 from .context import ctx
 from .errors import ApiError
-from .generation import admitted, limit_tokens, respond, start_all, validated
+from .generation import admitted, decoding, limit_tokens, respond, start_all, validated
 from .schemas import CompletionBody
 
 bp = Blueprint("completions", __name__)
@@ -21,9 +22,11 @@ def completions():
 def _completions():
     req = validated(CompletionBody)
     tokenizer = ctx().service.tokenizer
-    if req.stream and len(req.prompts) > 1:
-        raise ApiError(400, "streaming takes one prompt per request", param="prompt")
     vocab = len(tokenizer)
+    constraint = req.constraint()
+    params = decoding(req, constraint, "structured_outputs" if req.structured_outputs else "response_format",
+                      logprobs=None if req.scoring else req.logprobs,
+                      prompt_logprobs=req.logprobs if req.scoring else None)
     planned, echoes = [], []
     for prompt in req.prompts:  # every prompt is checked before any generation starts
         if isinstance(prompt, str):
@@ -36,20 +39,50 @@ def _completions():
             raise ApiError(400, "the prompt is empty", param="prompt")
         planned.append((prompt_ids, limit_tokens(prompt_ids, req.max_tokens, DEFAULT_MAX_TOKENS)))
         echoes.append((prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)) if req.echo else "")
-    gens = start_all(planned, req)
-
-    def choice(i, gen, text: str) -> dict:
-        return {"index": i, "text": echoes[i] + text,
-                "logprobs": openai_logprobs(gen.logprobs) if gen.logprobs else None}
-
-    return respond(gens, req, "text_completion", choice, lambda text: {"text": text, "logprobs": None})
+    gens = start_all(planned, req, params)
+    return respond(gens, req, "text_completion", _Shape(req, [e for e in echoes for _ in range(req.n)]))
 
 
-def openai_logprobs(lp: dict) -> dict:
+class _Shape:
+    """Completions choices: text (after the echoed prompt), and logprobs in the legacy shape."""
+
+    def __init__(self, req: CompletionBody, echoes: list[str]) -> None:
+        self.req = req
+        self.echoes = echoes
+        self.offsets = [len(e) for e in echoes]  # text_offset of the next streamed token, per choice
+
+    def _logprobs(self, i: int, lps: list[TokenLogprobs]) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        out = generated_logprobs(lps, self.offsets[i])
+        self.offsets[i] += sum(len(t) for t in out["tokens"])
+        return out
+
+    def choice(self, i, gen, text, lps) -> dict:
+        logprobs = openai_logprobs(gen.logprobs) if self.req.scoring else self._logprobs(i, lps)
+        return {"index": i, "text": self.echoes[i] + text, "logprobs": logprobs}
+
+    def head(self, i) -> dict:
+        return {"text": self.echoes[i], "logprobs": None}
+
+    def delta(self, i, gen, text, lps) -> dict:
+        return {"text": text, "logprobs": self._logprobs(i, lps)}
+
+    def tail(self, i, gen) -> dict:
+        return {"text": "", "logprobs": None}
+
+
+def generated_logprobs(lps: list[TokenLogprobs], offset: int) -> dict:
+    """Generated tokens' logprobs in the legacy completions shape; offsets count from ``offset``."""
+    return openai_logprobs({"token_ids": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                            "top_logprobs": [lp.top for lp in lps]}, offset)
+
+
+def openai_logprobs(lp: dict, offset: int = 0) -> dict:
     """Engine scores (token ids) in OpenAI's legacy completions shape (token strings, offsets)."""
     decode = ctx().service.tokenizer.decode
     tokens = [decode([t]) for t in lp["token_ids"]]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)

@@ -43,8 +43,11 @@ NO_MODE_CODES = {Code.SATURATED: "overloaded", Code.QUARANTINED: "mode_quarantin
 
 def no_eligible_mode(exc, pinned: bool) -> ApiError:
     """The answer to a :class:`~modeswitch.controller.decide.NoEligibleMode`: a pinned mode refused for a
-    reason waiting cannot cure (unavailable here, not capable, failing a gate) is the request's fault, 400;
-    anything else is 503 with Retry-After."""
+    reason waiting cannot cure (unavailable here, not capable, failing a gate) is the request's fault, 400, and
+    so is a request no resident mode can honour (a grammar where no engine constrains); anything else is 503
+    with Retry-After."""
     if pinned and not exc.code.transient:
         return ApiError(400, str(exc), param="mode", code="mode_unavailable")
+    if exc.code == Code.CAPABILITY:
+        return ApiError(400, f"no mode of this server can serve the request: {exc}", code="unsupported_option")
     return ApiError(503, str(exc), code=NO_MODE_CODES.get(exc.code, "no_eligible_mode"), retry_after=RETRY_AFTER_S)

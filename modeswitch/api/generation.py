@@ -1,26 +1,30 @@
 """The path both generation routes share: validate, start generations, answer as JSON or SSE.
 
-A request with several prompts is validated completely before anything starts, and every generation it
-started is closed (cancelled and counted) on any failure, so a 4xx or 5xx never leaves work running
-unanswered.
+A request with several prompts or choices (``n``) is validated completely before anything starts, and every
+generation it started is closed (cancelled and counted) on any failure or when its client leaves, so a 4xx or
+5xx never leaves work running unanswered. A route says how its choices are written through a :class:`Shape`.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Protocol
 
 from flask import Response, jsonify, request, stream_with_context
 
 from ..admission import Refused
 from ..controller.decide import NoEligibleMode
-from ..engines.base import SamplingParams
+from ..engines.base import Constraint, SamplingParams, TokenLogprobs
+from ..engines.grammar import grammar
 from ..service import Generation, GenerationError
 from .context import ctx
 from .errors import RETRY_AFTER_S, ApiError, no_eligible_mode
-from .schemas import CompletionBody, parse
+from .schemas import parse
 
 
 def body() -> Any:
@@ -56,16 +60,47 @@ def limit_tokens(prompt_ids: list[int], max_tokens: int | None, default: int) ->
     return max_tokens
 
 
-def start_all(prompts: list[tuple[list[int], int]], req) -> list[Generation]:
-    """Start one generation per validated ``(prompt_ids, max_tokens)``; if any cannot start, close the ones
-    that did (their slots are freed and they are counted as cancelled) and answer the error."""
+def decoding(req, constraint: Constraint | None, param: str, logprobs: int | None = None,
+             prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's decoding options (``max_tokens`` is set per prompt by :func:`start_all`), every id checked
+    against the vocabulary and the grammar parsed, so a bad one is a 400 before anything starts; ``param``
+    names the field the constraint came from."""
+    vocab = len(ctx().service.tokenizer)
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+        bias.append((int(key), value))
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise ApiError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
+    if constraint is not None:
+        try:
+            grammar(constraint)
+        except ValueError as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param) from None
+    return SamplingParams(
+        max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
+        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=tuple(bias), min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
+        constraint=constraint, prompt_logprobs=prompt_logprobs)
+
+
+def start_all(prompts: list[tuple[list[int], int]], req, params: SamplingParams) -> list[Generation]:
+    """Start ``req.n`` generations per validated ``(prompt_ids, max_tokens)`` (choice ``i`` of a seeded request
+    with seed + ``i``, so the choices differ and each is reproducible); if any cannot start, close the ones that
+    did (their slots are freed and they are counted as cancelled) and answer the error."""
     service = ctx().service
     gens: list[Generation] = []
     try:
         for prompt_ids, max_tokens in prompts:
-            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    prompt_logprobs=req.logprobs if isinstance(req, CompletionBody) else None)
-            gens.append(service.start(prompt_ids, params, req.stop_list, req.mode, req.task))
+            if params.min_tokens > max_tokens:
+                raise ApiError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})",
+                               param="min_tokens")
+            for i in range(req.n):
+                seed = None if params.seed is None else params.seed + i
+                choice = replace(params, max_tokens=max_tokens, seed=seed)
+                gens.append(service.start(prompt_ids, choice, req.stop_list, req.mode, req.task))
     except NoEligibleMode as exc:
         close_all(gens)
         raise no_eligible_mode(exc, pinned=req.mode is not None) from None
@@ -97,19 +132,36 @@ def admitted(handler: Callable[[], Response]) -> Response:
     return resp
 
 
-def usage(gen: Generation) -> dict:
-    prompt = len(gen.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": gen.completion_tokens,
-            "total_tokens": prompt + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-            "energy_j": round(gen.energy_j, 6), "energy_source": ctx().service.registry.energy.source}
+def total_usage(gens: list[Generation], n: int) -> dict:
+    """The response's ``usage``: every choice's tokens and energy; each prompt counts once, however many choices
+    (``n``, consecutive in ``gens``) it has, as vLLM counts it."""
+    prompt = sum(len(g.prompt_ids) for g in gens[::n])
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+            "energy_j": round(sum(g.energy_j for g in gens), 6), "energy_source": ctx().service.registry.energy.source}
 
 
-def respond(gens: list[Generation], req, kind: str, choice: Callable[[int, Generation, str], dict],
-            piece: Callable[[str], dict] | None) -> Response:
-    """JSON (one choice per generation, each naming the mode that served it) or SSE (one generation);
-    ``piece`` builds a streamed completions delta (None means chat). Generations not read to the end
-    (an error on another one) are closed before the error is answered."""
+class Shape(Protocol):
+    """How one route writes a choice: whole (JSON), or as stream deltas. ``lps``: the token logprobs of the
+    text in hand (empty unless the request asked for them)."""
+
+    def choice(self, i: int, gen: Generation, text: str, lps: list[TokenLogprobs]) -> dict:
+        """A JSON choice (``finish_reason`` is added unless it sets one)."""
+
+    def head(self, i: int) -> dict:
+        """A stream's first delta of choice ``i``."""
+
+    def delta(self, i: int, gen: Generation, text: str, lps: list[TokenLogprobs]) -> dict | None:
+        """A stream delta, or None while the choice holds its text back (its tail writes it)."""
+
+    def tail(self, i: int, gen: Generation) -> dict:
+        """The stream's last delta of choice ``i`` (``finish_reason`` is added unless it sets one)."""
+
+
+def respond(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
+    """JSON (one choice per generation, each naming the mode that served it) or SSE. Generations not read to the
+    end (an error on another one, a client gone) are closed before the error is answered."""
     streaming = False
     try:
         try:
@@ -118,10 +170,10 @@ def respond(gens: list[Generation], req, kind: str, choice: Callable[[int, Gener
         except GenerationError as exc:
             raise ApiError(503, str(exc), code="mode_failed", retry_after=RETRY_AFTER_S) from None
         if req.stream:
-            resp, streaming = _stream(gens[0], req, kind, piece), True
-            return resp  # the stream closes its generation when it ends or the client leaves
+            resp, streaming = _stream(gens, req, kind, shape), True
+            return resp  # the stream closes its generations when it ends or the client leaves
         try:
-            return _json(gens, kind, choice)
+            return _json(gens, req, kind, shape)
         except GenerationError as exc:
             raise ApiError(500, str(exc), code="mode_failed") from None
     finally:
@@ -150,58 +202,92 @@ def _report(gen: Generation) -> dict:
     return report
 
 
-def _json(gens: list[Generation], kind: str, choice: Callable[[int, Generation, str], dict]) -> Response:
+def _json(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
     service = ctx().service
     choices = []
     for i, gen in enumerate(gens):
         text = "".join(gen.deltas())
-        entry = {**choice(i, gen, text), "finish_reason": gen.finish_reason}
+        entry = shape.choice(i, gen, text, gen.take_logprobs())
+        entry.setdefault("finish_reason", gen.finish_reason)
         if len(gens) > 1:
             entry["modeswitch"] = _report(gen)
         choices.append(entry)
-    totals = [usage(g) for g in gens]
-    total = {k: sum(u[k] for u in totals) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    total["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens for g in gens)}
-    total["energy_j"] = round(sum(g.energy_j for g in gens), 6)
-    total["energy_source"] = service.registry.energy.source
     resp = jsonify({"id": response_id(kind), "object": kind, "created": int(time.time()), "model": service.model_name,
-                    "choices": choices, "usage": total, "modeswitch": _report(gens[0])})
+                    "choices": choices, "usage": total_usage(gens, req.n), "modeswitch": _report(gens[0])})
     resp.headers.update(_headers(gens))
     return resp
 
 
-def _stream(gen: Generation, req, kind: str, piece) -> Response:
-    headers = {**_headers([gen]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def _stream(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
+    headers = {**_headers(gens), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     # the request context stays open while the stream is sent: the generator reads the app context
-    return Response(stream_with_context(_sse(gen, req, kind, piece)), mimetype="text/event-stream", headers=headers)
+    return Response(stream_with_context(_sse(gens, req, kind, shape)), mimetype="text/event-stream", headers=headers)
 
 
-def _sse(gen: Generation, req, kind: str, piece) -> Iterator[str]:
+def _interleaved(gens: list[Generation]) -> Iterator[tuple[int, str | None, list[TokenLogprobs]]]:
+    """``(choice, text, logprobs)`` as each generation produces them, then ``(choice, None, rest)`` when it ends;
+    raises the first :class:`GenerationError`. One generation is read on this thread; several each on a thread of
+    their own, so that no choice waits for another."""
+    if len(gens) == 1:
+        for text in gens[0].deltas():
+            yield 0, text, gens[0].take_logprobs()
+        yield 0, None, gens[0].take_logprobs()
+        return
+    out: queue.Queue = queue.Queue()
+
+    def pump(i: int, gen: Generation) -> None:
+        try:
+            for text in gen.deltas():
+                out.put((i, text, gen.take_logprobs()))
+            out.put((i, None, gen.take_logprobs()))
+        except BaseException as exc:  # handed to the reader, which answers it
+            out.put((i, exc, []))
+
+    for i, gen in enumerate(gens):
+        threading.Thread(target=pump, args=(i, gen), name=f"stream-choice-{i}", daemon=True).start()
+    ended = 0
+    while ended < len(gens):
+        i, text, lps = out.get()
+        if isinstance(text, BaseException):
+            raise text
+        ended += text is None
+        yield i, text, lps
+
+
+def _sse(gens: list[Generation], req, kind: str, shape: Shape) -> Iterator[str]:
     model = ctx().service.model_name
     rid = response_id(kind)
     created = int(time.time())
-    obj = kind + ".chunk" if piece is None else kind
+    obj = kind + ".chunk" if kind == "chat.completion" else kind
 
-    def chunk(delta: dict | None, finish: str | None, **extra) -> str:
-        choices = [] if delta is None else [{"index": 0, **delta, "finish_reason": finish}]
+    def chunk(choices: list[dict], **extra) -> str:
         payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
         return f"data: {json.dumps(payload)}\n\n"
 
-    def wrap(text: str) -> dict:
-        return {"delta": {"content": text}} if piece is None else piece(text)
-
-    first = _report(gen)
-    del first["timings"]
-    head = {"delta": {"role": "assistant", "content": ""}} if piece is None else piece("")
-    yield chunk(head, None, modeswitch=first)
     try:
-        for delta in gen.deltas():
-            yield chunk(wrap(delta), None)
-    except GenerationError as exc:
-        yield f"data: {json.dumps(ApiError(500, str(exc), code='mode_failed').body())}\n\n"
+        first = _report(gens[0])
+        del first["timings"]
+        yield chunk([{"index": i, **shape.head(i), "finish_reason": None} for i in range(len(gens))], modeswitch=first)
+        try:
+            for i, text, lps in _interleaved(gens):
+                if text is not None:
+                    delta = shape.delta(i, gens[i], text, lps)
+                    if delta is not None:
+                        yield chunk([{"index": i, **delta, "finish_reason": None}])
+                    continue
+                if lps:  # tokens whose text never came out (held back, then cut by a stop string)
+                    delta = shape.delta(i, gens[i], "", lps)
+                    if delta is not None:
+                        yield chunk([{"index": i, **delta, "finish_reason": None}])
+                last = shape.tail(i, gens[i])
+                last.setdefault("finish_reason", gens[i].finish_reason)
+                yield chunk([{"index": i, **last}], modeswitch=_report(gens[i]))
+        except GenerationError as exc:
+            yield f"data: {json.dumps(ApiError(500, str(exc), code='mode_failed').body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if req.include_usage:
+            yield chunk([], usage=total_usage(gens, req.n))
         yield "data: [DONE]\n\n"
-        return
-    yield chunk({"delta": {}} if piece is None else piece(""), gen.finish_reason, modeswitch=_report(gen))
-    if req.include_usage:
-        yield chunk(None, None, usage=usage(gen))
-    yield "data: [DONE]\n\n"
+    finally:
+        close_all(gens)

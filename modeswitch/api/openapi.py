@@ -74,15 +74,42 @@ class Completion(_Open):
     modeswitch: ModeSwitchInfo
 
 
+class FunctionCallOut(_Open):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallOut(_Open):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Open):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class TopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Open):
+    content: list[TokenLogprob]
 
 
 class ChatChoice(_Open):
     index: int
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(_Open):

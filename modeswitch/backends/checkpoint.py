@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import LoadConfig
 from ..device import resolve_device_dtype
+from ..engines.grammar import Grammars
 from ..energy import HARDWARE, StepCost
 from ..memory import ModelShape
 from ..models import Preset, WeightsNotFound
@@ -34,6 +35,7 @@ class Checkpoint:
         self.shape: ModelShape | None = None
         self.context_length = 0
         self._draft_shape: ModelShape | None = None
+        self.grammars: Grammars | None = None
 
     def open(self) -> ModelInfo:
         """Resolve the reference weights and read their config and tokenizer; raises WeightsNotFound."""
@@ -46,6 +48,9 @@ class Checkpoint:
         self.context_length = min(int(getattr(config, "max_position_embeddings", self.max_model_len)),
                                   self.max_model_len)
         tokenizer = load_tokenizer(ref, f"tokenizer of {self.preset.name}")
+        #: constrained requests' grammars, compiled against the logits' width (the config's vocabulary, which may
+        #: be padded past the tokenizer's)
+        self.grammars = Grammars(tokenizer, config.vocab_size)
         return ModelInfo(tokenizer, self.context_length, self.shape.kv_bytes_per_token)
 
     def draft_variant(self, spec: ModeSpec) -> str | None:

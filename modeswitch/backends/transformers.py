@@ -57,7 +57,6 @@ class TransformersBackend:
             graphs = loop and self.checkpoint.device.type == "cuda"
             engine = ContinuousBatchingEngine(spec.name, model, spec.max_queue, CB_NUM_BLOCKS, CB_MAX_BATCH_TOKENS,
                                               CB_PAGE_SIZE, graphs=graphs)
-            details["sampling"] = False
             details["decode"] = "continuous batching, CUDA graphs + compiled" if graphs else "continuous batching, eager"
         elif loop:
             engine = self._loop_engine(spec, model, details, progress)
@@ -86,7 +85,7 @@ class TransformersBackend:
                 draft_model.generation_config.num_assistant_tokens = spec.speculative.num_tokens
         store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
         details["decode"] = "eager dynamic cache"
-        return GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup)
+        return GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, self.checkpoint.grammars)
 
     def _loop_engine(self, spec: ModeSpec, model, details: dict[str, Any], progress: Progress) -> StaticLoopEngine:
         """The owned loop with this mode's options, compiled and warm before it is listed as available."""
@@ -102,7 +101,7 @@ class TransformersBackend:
                 drafter = ModelDrafter(draft, k)
         store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
         engine = StaticLoopEngine(spec.name, model, spec.max_queue, ctx, prefix_store=store, drafter=drafter,
-                                  compile=compile)
+                                  compile=compile, grammars=self.checkpoint.grammars)
         progress(f"mode {spec.name}: {'compiling' if compile else 'warming up'} the static-cache loop")
         try:
             seconds = engine.warm_up()

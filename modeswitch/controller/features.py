@@ -54,6 +54,8 @@ class Features:
     prompt_repeat: float = 0.0
     draft_tokens_per_step: float = 1.0
     speculation_gain: float = 0.0
+    #: the request options it sets, which the mode must honour (``SamplingParams.needs``; the capability gate)
+    needs: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)

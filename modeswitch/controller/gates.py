@@ -60,21 +60,22 @@ class QuarantineGate:
         return None
 
 
-_GREEDY_ONLY = Verdict(Code.CAPABILITY, "serves greedy requests only (temperature 0)")
-_NO_SCORING = Verdict(Code.CAPABILITY, "cannot return prompt logprobs")
-
-
 class CapabilityGate:
-    """The mode can honour the request's decoding settings (e.g. sampling on a greedy-only engine)."""
+    """The mode honours every request option the request sets (sampling on a greedy-only engine, prompt logprobs,
+    a grammar on an engine that cannot constrain, ...): one that cannot is filtered, never chosen and then failed."""
 
     name = "capability"
 
+    def __init__(self) -> None:
+        self._verdicts: dict[frozenset[str], Verdict] = {}
+
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        if not cycle.features.greedy and not mode.supports_sampling:
-            return _GREEDY_ONLY
-        if cycle.features.scoring and not mode.supports_scoring:
-            return _NO_SCORING
-        return None
+        missing = frozenset(cycle.features.needs) - mode.capabilities
+        if not missing:
+            return None
+        if missing not in self._verdicts:  # a handful of distinct sets: built once each
+            self._verdicts[missing] = Verdict(Code.CAPABILITY, f"cannot honour {', '.join(sorted(missing))}")
+        return self._verdicts[missing]
 
 
 class CapacityGate:

@@ -47,12 +47,9 @@ class ModeView(Protocol):
         """It drafts tokens and verifies them (speculative decoding): its time per token depends on acceptance."""
 
     @property
-    def supports_sampling(self) -> bool:
-        """It can decode with temperature > 0 (else greedy only)."""
-
-    @property
-    def supports_scoring(self) -> bool:
-        """It can return prompt logprobs."""
+    def capabilities(self) -> frozenset[str]:
+        """The request options it honours (``modeswitch.engines.base.OPTIONS`` names: temperature, logprobs,
+        structured_outputs, prompt_logprobs, ...)."""
 
     @property
     def preallocated_kv(self) -> bool:

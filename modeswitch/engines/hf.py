@@ -22,16 +22,23 @@ from transformers import DynamicCache, GenerationConfig, StoppingCriteria, Stopp
 from transformers.generation.streamers import BaseStreamer
 
 from .base import Engine, GenRequest, KvUse, paged_tokens
+from .grammar import Grammars
 from .prefix_kv import PrefixKVStore
+from .processors import Decoding, stop_ids
 from .worker import SerialEngine, eos_ids, finish_reason
+
+#: what a speculative ``generate()`` cannot do: its verify step runs the processors over every drafted position at
+#: once, which xgrammar's processor (one call per accepted token) and the per-step logprob record do not follow
+SPECULATIVE_LIMITS = frozenset({"logprobs", "structured_outputs"})
 
 class _EventStreamer(BaseStreamer):
     """Forwards each step's new tokens to the request, meters each step (the interval between two outputs is
     one forward step of the request), and counts target steps for speculative statistics."""
 
-    def __init__(self, engine: Engine, req: GenRequest, cached: int) -> None:
+    def __init__(self, engine: Engine, req: GenRequest, cached: int, decoding: Decoding) -> None:
         self.engine = engine
         self.req = req
+        self.decoding = decoding
         self.prompt_seen = False
         self.kv = cached  # tokens in the KV cache
         self.open_step: int | None = None
@@ -47,7 +54,8 @@ class _EventStreamer(BaseStreamer):
         else:
             self.steps += 1
             self.tokens += len(ids)
-            self.req.emit("tokens", ids)
+            lps = self.decoding.logprobs(ids)
+            self.req.emit("tokens", ids, **({"logprobs": lps} if lps else {}))
             new = len(ids)  # the next step feeds these back (speculative: about as many as it will verify)
         self.kv += new
         self.open_step = self.engine._begin_step([(self.req, new, self.kv)])
@@ -79,10 +87,13 @@ class GenerateEngine(SerialEngine):
         prefix_store: PrefixKVStore | None = None,
         draft_model=None,
         prompt_lookup_tokens: int | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.draft_model = draft_model
         self.prompt_lookup_tokens = prompt_lookup_tokens
-        super().__init__(name, model, max_queue, prefix_store)
+        super().__init__(name, model, max_queue, prefix_store, grammars)
+        if self.speculative:
+            self.capabilities = self.capabilities - SPECULATIVE_LIMITS
 
     @property
     def speculative(self) -> bool:
@@ -93,17 +104,19 @@ class GenerateEngine(SerialEngine):
         device = self.model.device
         input_ids = torch.tensor([req.prompt_ids], device=device)
         p = req.params
+        decoding = Decoding(p, len(req.prompt_ids), self.eos, self.grammars)
+        ends = stop_ids(p, self.eos)
         kwargs: dict[str, Any] = dict(
             max_new_tokens=p.max_tokens,
             stopping_criteria=StoppingCriteriaList([_StopWhenCancelled(req)]),
+            logits_processor=decoding.processors,
             return_dict_in_generate=True,
             attention_mask=torch.ones_like(input_ids),
             pad_token_id=self.model.generation_config.pad_token_id,
+            eos_token_id=sorted(ends),  # [] (ignore_eos): nothing ends it early, not even the model's default
+            # sampling happens in the processors (processors.py), so that each request draws from its own generator
+            do_sample=False, temperature=None, top_p=None, top_k=None,
         )
-        if p.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        else:
-            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=None)
         cached = 0
         if self.prefix_store is not None:
             cached, cache = self.prefix_store.lookup(req.prompt_ids)
@@ -112,7 +125,7 @@ class GenerateEngine(SerialEngine):
             kwargs["assistant_model"] = self.draft_model
         elif self.prompt_lookup_tokens is not None:
             kwargs["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
-        streamer = _EventStreamer(self, req, cached)
+        streamer = _EventStreamer(self, req, cached, decoding)
         try:
             out = self.model.generate(input_ids, streamer=streamer, **kwargs)
         finally:
@@ -123,18 +136,17 @@ class GenerateEngine(SerialEngine):
             kv = out.past_key_values
             self.prefix_store.store(sequence[: kv.get_seq_length()], kv)
         spec = self._count_done(len(generated), *((streamer.steps, streamer.tokens) if self.speculative else ()))
-        req.emit("done", finish_reason=finish_reason(req, generated, self.eos), cached_tokens=cached, **spec)
+        req.emit("done", finish_reason=finish_reason(req, generated, ends), cached_tokens=cached, **spec)
 
 
 class ContinuousBatchingEngine(Engine):
     """Requests join transformers' continuous-batching manager; a router thread fans its outputs back out.
 
-    The manager's generation config is fixed at start, so this mode serves greedy requests only; the
-    controller's capability gate keeps sampled requests away from it.
+    The manager's generation config is fixed at start, so this mode serves plain greedy requests only; the
+    controller's capability gate keeps requests that set any decoding option away from it.
     """
 
-    supports_sampling = False
-    supports_scoring = False
+    capabilities = frozenset()
     preallocated_kv = True  # the paged block pool is reserved at start
 
     def __init__(self, name: str, model, max_queue: int, num_blocks: int, max_batch_tokens: int, page_size: int,

@@ -15,10 +15,16 @@ import torch
 
 from .base import GenRequest
 from .drafts import Drafter, ModelDrafter
+from .grammar import Grammars
 from .prefix_kv import PrefixKVStore
-from .sampling import accept, choose
+from .processors import Decoding, stop_ids
+from .sampling import accept
 from .static_decoder import StaticDecoder
 from .worker import SerialEngine, finish_reason
+
+
+#: the options a drafting loop honours: the rest are logits processors, which a verify step does not run
+SPECULATIVE_OPTIONS = frozenset({"temperature", "top_p", "seed", "stop_token_ids", "ignore_eos", "prompt_logprobs"})
 
 
 class StaticLoopEngine(SerialEngine):
@@ -27,9 +33,12 @@ class StaticLoopEngine(SerialEngine):
     ``compile``: a ``torch.compile`` mode, or None for eager (tests; CPUs by default never get here)."""
 
     def __init__(self, name: str, model, max_queue: int, max_len: int, *, prefix_store: PrefixKVStore | None = None,
-                 drafter: Drafter | None = None, compile: str | None = None, chunk: int = 64) -> None:
-        super().__init__(name, model, max_queue, prefix_store)
+                 drafter: Drafter | None = None, compile: str | None = None, chunk: int = 64,
+                 grammars: Grammars | None = None) -> None:
+        super().__init__(name, model, max_queue, prefix_store, grammars)
         self.drafter = drafter
+        if drafter is not None:  # a verify step accepts drafts by temperature and top-p alone (sampling.accept)
+            self.capabilities = self.capabilities & SPECULATIVE_OPTIONS
         self.preallocated_kv = prefix_store is None  # stored prefixes are copies made per request
         k = drafter.k if drafter is not None else 0
         self.counters["verify_steps"] = 0  # target steps that verified drafts (the others decoded one token)
@@ -70,7 +79,9 @@ class StaticLoopEngine(SerialEngine):
                 self.decoder.load(snap)
         with self._metered_step([(req, len(prompt) - cached, len(prompt))]):
             logits = self.decoder.prefill(prompt[cached:], cached)
-        new = [choose(logits, p)]
+        decoding = Decoding(p, len(prompt), self.eos, self.grammars)
+        ends = stop_ids(p, self.eos)
+        new = [decoding.choose(prompt, logits)]
         if self.drafter is not None:
             self.drafter.reset()
         generated: list[int] = []
@@ -79,29 +90,30 @@ class StaticLoopEngine(SerialEngine):
             keep = []
             for token in new:
                 keep.append(token)
-                if token in self.eos or len(generated) + len(keep) >= p.max_tokens:
+                if token in ends or len(generated) + len(keep) >= p.max_tokens:
                     break
             generated += keep
             steps, tokens = steps + 1, tokens + len(keep)
-            req.emit("tokens", keep)
-            if len(keep) < len(new) or keep[-1] in self.eos or len(generated) >= p.max_tokens or req.cancelled.is_set():
+            lps = decoding.logprobs(keep)
+            req.emit("tokens", keep, **({"logprobs": lps} if lps else {}))
+            if len(keep) < len(new) or keep[-1] in ends or len(generated) >= p.max_tokens or req.cancelled.is_set():
                 break
             position = len(prompt) + len(generated) - 1  # where the last token goes: every earlier one is fed
             remaining = p.max_tokens - len(generated)
             drafts = self.drafter.propose(prompt + generated, remaining) if self.drafter is not None else []
             if not drafts:
-                new = [choose(self._step(req, generated[-1:], position)[0], p)]
+                new = [decoding.choose(prompt + generated, self._step(req, generated[-1:], position)[0])]
                 continue
             if self.decoder.compiled:  # one verify shape: pad; a padded token is a proposal like any other
                 drafts = drafts + [0] * (self.drafter.k - len(drafts))
             logits = self._step(req, [generated[-1]] + drafts, position)
             self.counters["verify_steps"] += 1
-            new = accept(logits, drafts, p)
+            new = accept(logits, drafts, p, decoding.generator)
         if self.prefix_store is not None:
             fed = len(prompt) + len(generated) - 1
             self.prefix_store.store((prompt + generated)[:fed], self.decoder.snapshot(fed))
         spec = self._count_done(len(generated), *((steps, tokens) if self.speculative else ()))
-        req.emit("done", finish_reason=finish_reason(req, generated, self.eos), cached_tokens=cached, **spec)
+        req.emit("done", finish_reason=finish_reason(req, generated, ends), cached_tokens=cached, **spec)
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()

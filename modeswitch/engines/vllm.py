@@ -24,6 +24,7 @@ this layer (``modeswitch.backends.vllm``); this module deals in plain engine arg
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import threading
@@ -32,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from .base import Engine, GenRequest, KvUse, paged_tokens, spec_tokens_per_step
+from .base import OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens, spec_tokens_per_step
+from .grammar import JSON_OBJECT
 from .paged_prefix import PagedPrefixShadow
 from . import vllm_plugin
 from .vllm_probe import WORKER_EXTENSION
@@ -308,11 +310,18 @@ class VllmRunner:
         new = list(completion.token_ids)
         if out.prompt_logprobs is not None:
             live.prompt_logprobs = out.prompt_logprobs
-        live.logprobs.extend(completion.logprobs or ())
+        if live.req.params.prompt_logprobs is not None:
+            live.logprobs.extend(completion.logprobs or ())
         if new:
             live.output_ids.extend(new)
             live.steps += 1
-            live.req.emit("tokens", new)
+            if live.req.params.logprobs is not None:
+                k = live.req.params.logprobs
+                live.req.emit("tokens", new, logprobs=[
+                    TokenLogprobs(t, d[t].logprob, {i: lp.logprob for i, lp in d.items() if lp.rank <= k})
+                    for d, t in zip(completion.logprobs, new)])
+            else:
+                live.req.emit("tokens", new)
         if out.finished:
             with self._engine_lock:
                 del self._live[out.request_id]
@@ -343,8 +352,9 @@ class VllmEngine(Engine):
         self.prefix_cache = prefix_cache
         self.speculative = speculative
         self.batch_slots = runner.max_num_seqs  # every mode on the runner joins its one batch
-        #: prompt logprobs come from the target model's forward pass; a speculating engine does not return them
-        self.supports_scoring = not speculative
+        #: prompt logprobs come from the target model's forward pass, which a speculating engine does not return;
+        #: vLLM refuses min_p and logit_bias with speculative decoding (``SamplingParams._validate_spec_decode``)
+        self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if speculative else OPTIONS
         self.counters = {"requests": 0, "generated_tokens": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
@@ -370,19 +380,33 @@ class VllmEngine(Engine):
         return self.runner.kv_use()
 
     def _enqueue(self, req: GenRequest) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        self.runner.add(req, self, self.vllm_params(req.params))
 
-        p = req.params
+    def vllm_params(self, p: SamplingParams):
+        """vLLM's ``SamplingParams`` for a request: the same fields, passed through."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
         if p.prompt_logprobs is not None:  # scoring: every prompt token's logprob and one greedy token
             k = max(1, p.prompt_logprobs)
-            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
-                                    output_kind=RequestOutputKind.DELTA, detokenize=False)
-        else:
-            params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                    output_kind=RequestOutputKind.DELTA, detokenize=False,
-                                    skip_reading_prefix_cache=not self.prefix_cache)
-        self.runner.add(req, self, params)
+            return VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
+                              output_kind=RequestOutputKind.DELTA, detokenize=False)
+        structured = None
+        if p.constraint is not None:
+            c = p.constraint
+            if c.kind in ("json", "json_object"):
+                structured = StructuredOutputsParams(json=json.loads(c.spec if c.kind == "json" else JSON_OBJECT))
+            elif c.kind == "choice":
+                structured = StructuredOutputsParams(choice=json.loads(c.spec))
+            else:  # regex, grammar
+                structured = StructuredOutputsParams(**{c.kind: c.spec})
+        return VllmParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            seed=p.seed, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
+            stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+            structured_outputs=structured, output_kind=RequestOutputKind.DELTA, detokenize=False,
+            skip_reading_prefix_cache=not self.prefix_cache)
 
     def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
         """Called by the runner's thread when vLLM reports the request finished."""

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from .base import Engine, GenRequest, spec_tokens_per_step
+from .grammar import Grammars
 from .prefix_kv import PrefixKVStore
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ def eos_ids(model) -> set[int]:
 
 
 def finish_reason(req: GenRequest, generated: list[int], eos: set[int]) -> str:
+    """``eos``: the tokens that end this request (``processors.stop_ids``)."""
     if req.cancelled.is_set():
         return "cancelled"
     if generated and generated[-1] in eos:
@@ -42,11 +44,16 @@ class SerialEngine(Engine):
     """One request at a time on a worker thread. The queue also carries plain callables (:meth:`call`), so work
     that must run on the worker's own thread (compiling and capturing CUDA graphs) can be handed to it."""
 
-    def __init__(self, name: str, model, max_queue: int, prefix_store: PrefixKVStore | None = None) -> None:
+    def __init__(self, name: str, model, max_queue: int, prefix_store: PrefixKVStore | None = None,
+                 grammars: Grammars | None = None) -> None:
         super().__init__(max_queue)
         self.name = name
         self.model = model
         self.prefix_store = prefix_store
+        #: compiles constrained requests' grammars; without it the engine does not offer ``structured_outputs``
+        self.grammars = grammars
+        if grammars is None:
+            self.capabilities = self.capabilities - {"structured_outputs"}
         self.eos = eos_ids(model)
         self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
         self._queue: queue.Queue[GenRequest | Callable[[], None] | None] = queue.Queue()

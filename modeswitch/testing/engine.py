@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.base import Engine, GenRequest
+from ..engines.base import OPTIONS, Engine, GenRequest, TokenLogprobs
 from ..modes import ModeSpec
 from ..radix import RadixTree
 
@@ -27,10 +27,10 @@ class Script:
     broken: bool = False
     #: requests generated at once; more wait in its queue (1: one at a time)
     batch: int = 8
-    #: None: as the mode's spec implies (a continuous-batching mode is greedy-only with reserved KV, as
-    #: transformers' is; a prefix-cache mode reports the longest prompt prefix it has seen)
-    supports_sampling: bool | None = None
-    supports_scoring: bool = True
+    #: None: as the mode's spec implies (a continuous-batching mode honours no request option and reserves its
+    #: KV, as transformers' does; a prefix-cache mode reports the longest prompt prefix it has seen; the others
+    #: claim every option but a grammar, which they cannot follow)
+    capabilities: frozenset[str] | None = None
     preallocated_kv: bool | None = None
     prefix_cache: bool | None = None
 
@@ -46,8 +46,8 @@ class FakeEngine(Engine):
         batched = spec.batching == "continuous"
         self.script = script
         self.batch_slots = script.batch  # its workers serve the queue first come, first served
-        self.supports_sampling = not batched if script.supports_sampling is None else script.supports_sampling
-        self.supports_scoring = script.supports_scoring
+        self.capabilities = ((frozenset() if batched else OPTIONS - {"structured_outputs"})
+                             if script.capabilities is None else script.capabilities)
         self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
         prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
         self.submitted = 0
@@ -104,7 +104,12 @@ class FakeEngine(Engine):
                 time.sleep(script.token_s)
             token = next_token(context)
             context.append(token)
-            req.emit("tokens", [token])
+            if req.params.logprobs is not None:  # the scripted token is the likeliest, at -1; then 97, 98, ...
+                ranked = [token] + [t for t in range(97, 123) if t != token]
+                top = {t: -float(j + 1) for j, t in enumerate(ranked[: req.params.logprobs])}
+                req.emit("tokens", [token], logprobs=[TokenLogprobs(token, -1.0, top)])
+            else:
+                req.emit("tokens", [token])
         req.emit("done", finish_reason="length", cached_tokens=cached)
 
     def _score(self, req: GenRequest) -> None:
