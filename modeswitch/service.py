@@ -227,7 +227,7 @@ class Generation:
                         self.first_token_at = time.perf_counter()
                     self.completion_tokens += len(event.token_ids)
                     self.token_logprobs += event.info.get("logprobs", ())
-                    delta = self.assembler.add(event.token_ids)
+                    delta = self.assembler.add(self._visible(event.token_ids))
                     if delta:
                         yield delta
                     if self.assembler.stopped:
@@ -250,6 +250,15 @@ class Generation:
             outcome = "ok"
         finally:
             self._finish(outcome)
+
+    def _visible(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens whose text the answer shows: a ``stop_token_ids`` token ends the generation and, as vLLM
+        writes it, is not part of the text (an end-of-sequence token is a special token, never shown)."""
+        stops = self.params.stop_token_ids
+        if not stops:
+            return token_ids
+        cut = next((i for i, t in enumerate(token_ids) if t in stops), len(token_ids))
+        return token_ids[:cut]
 
     @property
     def text(self) -> str:

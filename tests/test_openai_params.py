@@ -151,6 +151,10 @@ def honoured_everywhere(client: OpenAI) -> None:
     biased = client.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0,
                                        logit_bias={"28": 100})  # token 28 is ","
     assert biased.choices[0].text == ",,,,"
+    stopped = client.completions.create(model="demo", prompt="Hello", max_tokens=8, temperature=0,
+                                        logit_bias={"28": 100}, extra_body={"stop_token_ids": [28], "min_tokens": 2})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 3
+    assert stopped.choices[0].text and "," not in stopped.choices[0].text  # the stop token is not shown, as on vLLM
     # ignore_eos and min_tokens: as many tokens as asked
     long = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say hi."}],
                                           max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
