@@ -14,11 +14,19 @@ import torch
 from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
 
+from modeswitch.api import tools
+from modeswitch.api.errors import ApiError
+from modeswitch.api.schemas import ChatBody, parse
 from modeswitch.engines.base import SamplingParams
 from modeswitch.engines.processors import Decoding
 from modeswitch.testing.engine import Script
 
 CHAT = [{"role": "user", "content": "Describe a cat in one sentence."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}]
 
 
 def sse(resp) -> list[dict]:
@@ -118,17 +126,35 @@ def test_seeded_sampling_draws_from_the_requests_own_generator():
     assert draws[0] == draws[1] and draws[0] != draws[2]
 
 
+def test_tools_reach_a_template_without_tool_support_and_auto_calls_are_parsed():
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}], "tools": TOOLS}
+    req = parse(ChatBody, body)
+    rendered, extra = tools.messages(req, native=False)
+    assert extra == {} and rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"]
+    assert rendered[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    native, extra = tools.messages(req, native=True)
+    assert extra["tools"][0]["function"]["name"] == "get_weather" and native[1]["tool_calls"][0]["function"][
+        "arguments"] == {"city": "Oslo"} and native[2]["tool_call_id"] == "c1"
+    content, calls = tools.parse(req, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                      '{"city": "Bergen", "unit": "celsius"}}\n</tool_call>')
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"])["city"] == "Bergen"
+    assert tools.parse(req, "<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    assert tools.parse(req, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')[1] == []  # not offered
+    assert tools.constraint(req) is None  # auto: the model may answer in text
+    forced = parse(ChatBody, {**body, "tool_choice": "required", "parallel_tool_calls": False})
+    schema = json.loads(tools.constraint(forced).spec)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    with pytest.raises(ApiError, match="not in tools"):
+        parse(ChatBody, {**body, "tool_choice": {"type": "function", "function": {"name": "other"}}})
+
+
 # ---------------------------------------------------------------------------------------------- real engines
 class Cat(BaseModel):
     name: str
     age: int
-
-
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}]
 
 
 def honoured_everywhere(client: OpenAI) -> None:

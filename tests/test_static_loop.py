@@ -238,3 +238,26 @@ def test_decode_compiled_builds_cpu_modes_on_the_loop(demo, tok):
         assert registry.gate_key == "transformers-compiled" != TransformersBackend(PRESETS["demo"], LoadConfig()).gate_key
     finally:
         registry.close()
+
+
+def test_loop_honours_the_request_options_as_generate_does(demo, tok, engines):
+    """The owned loop runs the same logits processors as the ``generate()`` engine: a grammar, a logit bias,
+    logprobs, a seed; a drafting loop refuses what its verify step cannot apply."""
+    from modeswitch.engines.base import Constraint
+    from modeswitch.engines.grammar import Grammars
+    from modeswitch.engines.hf import GenerateEngine
+
+    model = demo.models["fp16"]
+    grammars = Grammars(tok, model.config.vocab_size)
+    engine = loop(engines, model, grammars=grammars)
+    reference_engine = GenerateEngine("generate", model, 8, grammars=grammars)
+    engines.append(reference_engine)
+    ids = tok("My favourite colour is").input_ids
+    for options in ({"constraint": Constraint("choice", '["red", "blue"]')}, {"logit_bias": ((28, 100.0),)},
+                    {"temperature": 1.0, "seed": 5, "top_k": 20}, {"logprobs": 2}):
+        assert run(engine, ids, **options)[0] == run(reference_engine, ids, **options)[0], options
+    tokens, _ = run(engine, ids, n=3, logit_bias=((28, 100.0),))
+    assert tokens == [28, 28, 28]
+    drafting = loop(engines, model, drafter=NgramDrafter(3), grammars=grammars)
+    assert "structured_outputs" in engine.capabilities and "structured_outputs" not in drafting.capabilities
+    assert {"temperature", "seed"} <= drafting.capabilities
