@@ -100,6 +100,9 @@ class Generation:
         self.extra: dict[str, Any] = {}
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
+        #: set once the response streams its text: from then on a failed attempt cannot be retried unseen (a
+        #: response sent whole can be: its text is read to the end before anything is sent)
+        self.streamed = False
         self.finished_at: float | None = None
         self._pending: list[Event] = []
         self._excluded: frozenset[str] = frozenset()
@@ -147,15 +150,23 @@ class Generation:
         state = self.service.registry.modes[self.mode]
         state.record_failure(error)
         self.attempts.append(f"{self.mode}: {error}")
-        if self.pinned is not None or self.first_token_at is not None or len(self.attempts) >= self.MAX_ATTEMPTS:
+        if self.pinned is not None or self.streamed or len(self.attempts) >= self.MAX_ATTEMPTS:
             self._record("error")
             raise GenerationError(f"mode {self.mode} failed: {error}")
         self._excluded = self._excluded | {self.mode}
+        self._restart_text()
         try:
             self._submit()
         except NoEligibleMode as exc:
             self._record("error")
             raise GenerationError(f"mode {self.mode} failed ({error}) and no other mode can retry: {exc}") from None
+
+    def _restart_text(self) -> None:
+        """Forget what a failed attempt generated (nothing of it was sent): the retry's text replaces it."""
+        self.assembler = TextAssembler(self.service.tokenizer, self.assembler.stop)
+        self.completion_tokens = 0
+        self.first_token_at = None
+        self.token_logprobs, self._logprobs_taken = [], 0
 
     def _record(self, outcome: str) -> None:
         """Report the request once (ok, error, or cancelled by the client) to the controller's observers."""

@@ -114,6 +114,25 @@ def test_failing_mode_is_retried_elsewhere_then_quarantined(make_app):
     assert pinned.get_json()["error"]["code"] == "mode_quarantined"
 
 
+def test_a_mode_failing_mid_answer_is_retried_unseen_unless_streaming(make_app):
+    """An answer sent whole was never seen when its mode fails after some tokens: it is generated again elsewhere
+    and only the retry's text is returned. A stream that has sent tokens ends with an error event instead."""
+    app = make_app(policy=RETRY_POLICY, scripts={"fp16": Script(fail_after=3)})
+    whole = app.complete("The capital of France is", max_tokens=6)
+    reference = app.complete("The capital of France is", max_tokens=6, mode="prefix_cache")
+    assert whole["modeswitch"]["mode"] == "prefix_cache" and whole["modeswitch"]["attempts"] == [
+        "fp16: RuntimeError: injected fault after tokens"]
+    assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert whole["usage"]["completion_tokens"] == 6
+    pinned = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 6, "mode": "fp16", "temperature": 0})
+    assert pinned.status_code == 503 and pinned.get_json()["error"]["code"] in ("mode_failed", "mode_quarantined")
+    app.service.registry.modes["fp16"].quarantined_until = 0.0
+    stream = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 6, "stream": True, "temperature": 0})
+    events = [line for line in stream.get_data(as_text=True).split("\n") if line.startswith("data: ")]
+    assert '"mode_failed"' in events[-2] and events[-1] == "data: [DONE]"
+    assert all(m["in_flight"] == 0 for m in app.modes().values())
+
+
 def test_burst_of_10x_capacity_loses_nothing_and_health_stays_fast(make_app):
     """30 requests at once (10x the client's limit of 3): the excess gets 429, the rest full answers."""
     app = make_app(max_inflight_per_client=3, scripts={"continuous_batching": Script(token_s=0.02)})

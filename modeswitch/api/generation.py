@@ -170,12 +170,14 @@ def respond(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
         except GenerationError as exc:
             raise ApiError(503, str(exc), code="mode_failed", retry_after=RETRY_AFTER_S) from None
         if req.stream:
+            for gen in gens:
+                gen.streamed = True
             resp, streaming = _stream(gens, req, kind, shape), True
             return resp  # the stream closes its generations when it ends or the client leaves
         try:
             return _json(gens, req, kind, shape)
-        except GenerationError as exc:
-            raise ApiError(500, str(exc), code="mode_failed") from None
+        except GenerationError as exc:  # its mode failed it, and no other could take it over: try again later
+            raise ApiError(503, str(exc), code="mode_failed", retry_after=RETRY_AFTER_S) from None
     finally:
         if not streaming:
             close_all(gens)
@@ -206,8 +208,9 @@ def _json(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
     service = ctx().service
     choices = []
     for i, gen in enumerate(gens):
-        text = "".join(gen.deltas())
-        entry = shape.choice(i, gen, text, gen.take_logprobs())
+        for _ in gen.deltas():  # read to the end; a failed attempt's text is replaced by its retry's
+            pass
+        entry = shape.choice(i, gen, gen.text, gen.take_logprobs())
         entry.setdefault("finish_reason", gen.finish_reason)
         if len(gens) > 1:
             entry["modeswitch"] = _report(gen)

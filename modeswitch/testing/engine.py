@@ -25,6 +25,8 @@ class Script:
     fault: bool = False
     #: fail the warm-up too (an engine that never works: the registry lists the mode as unavailable)
     broken: bool = False
+    #: fail every request after the warm-up once it has generated this many tokens (an engine dying mid-request)
+    fail_after: int | None = None
     #: requests generated at once; more wait in its queue (1: one at a time)
     batch: int = 8
     #: None: as the mode's spec implies (a continuous-batching mode honours no request option and reserves its
@@ -102,6 +104,9 @@ class FakeEngine(Engine):
                 return
             if i and script.token_s:
                 time.sleep(script.token_s)
+            if i == script.fail_after and not warm_up:
+                req.emit("error", error="RuntimeError: injected fault after tokens")
+                return
             token = next_token(context)
             context.append(token)
             if req.params.logprobs is not None:  # the scripted token is the likeliest, at -1; then 97, 98, ...
