@@ -104,7 +104,20 @@ class ModeState:
 
     @property
     def loading(self) -> bool:
-        return self.status == "loading"
+        """Being built, or its engine being started again: available soon."""
+        return self.status in ("loading", "restarting")
+
+    @property
+    def down(self) -> bool:
+        """It was serving and its engine went down (restarting, or given up): ``/health`` says degraded."""
+        return self.engine is not None and self.status in ("restarting", "unavailable")
+
+    def engine_health(self, down: str | None, restarting: bool) -> None:
+        """What its engine reports (:meth:`Engine.watch`): down and why (restarting or not), or back up."""
+        if down is None:
+            self.status, self.reason = "available", ""
+        else:
+            self.status, self.reason = "restarting" if restarting else "unavailable", down
 
     @property
     def in_flight(self) -> int:
@@ -301,6 +314,7 @@ class ModeRegistry:
                     raise RuntimeError(event.info.get("error"))
                 if event.kind == "done":
                     break
+            state.engine.watch(state.engine_health)
             state.status = "available"  # last: a mode serves once its state is complete
         except (queue.Empty, RuntimeError) as exc:
             state.engine.close()

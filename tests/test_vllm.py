@@ -4,6 +4,7 @@ resident at once; outputs against the transformers engine; prefix hits; speculat
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -293,6 +294,57 @@ def test_each_engine_process_runs_one_gloo_event_loop(launches, vllm_server):
     worker sets up share one device, whose loop thread is all an idle engine polls with (13 without it)."""
     loops = {proc.pid: gloo_loops(proc.pid) for proc in psutil.Process(launches.vllm.proc.pid).children(recursive=True)}
     assert sorted(n for n in loops.values() if n) == [1] * len(modes(vllm_server)["vllm_engines"]), loops
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_engine_answers_its_requests_leaves_the_pool_and_comes_back(vllm_server):
+    """SIGKILL to the engine-core process of the drafting engine, with a request running on it: the request is
+    answered at once, the engine's worker leaves with it, its mode leaves the pool (restarting, with the reason)
+    while the others serve, /health says degraded, and the engine is started again and serves. Last of the vLLM
+    server's tests: the engine it kills is back only after a restart."""
+    engine = modes(vllm_server)["vllm_engines"]["fp16+ngram-draft"]
+    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["speculative"])
+    answers = []
+    asked = threading.Thread(target=lambda: answers.append(requests.post(vllm_server + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+        "mode": "speculative"})))
+    asked.start()
+    time.sleep(1.5)
+    os.kill(engine["pids"][0], signal.SIGKILL)
+    killed = time.monotonic()
+    asked.join(30)
+    assert not asked.is_alive() and answers[0].status_code == 503, answers
+    assert "fp16+ngram-draft died" in answers[0].json()["error"]["message"]
+    assert time.monotonic() - killed < 5
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in engine["pids"]) and time.monotonic() < deadline:  # the worker follows
+        time.sleep(0.2)
+    assert all(gone(pid) for pid in engine["pids"]), engine["pids"]
+    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "speculative")
+    assert card["status"] == "restarting" and "died" in card["reason"] and card["in_flight"] == 0
+    health = requests.get(vllm_server + "/health", timeout=30).json()
+    assert health["status"] == "degraded" and health["modes_down"] == ["speculative"]
+    assert complete(vllm_server, PROMPTS[0], "fp16", max_tokens=4)["modeswitch"]["mode"] == "fp16"
+    pinned = requests.post(vllm_server + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "speculative"})
+    assert pinned.status_code == 503 and "restarting" in pinned.json()["error"]["message"]
+    deadline = time.monotonic() + 600
+    while requests.get(vllm_server + "/health", timeout=30).json()["status"] != "ok":
+        assert time.monotonic() < deadline, modes(vllm_server)["vllm_engines"]["fp16+ngram-draft"]
+        time.sleep(2)
+    assert complete(vllm_server, PROMPTS[1], "speculative", max_tokens=4)["modeswitch"]["mode"] == "speculative"
+    again = modes(vllm_server)["vllm_engines"]["fp16+ngram-draft"]
+    assert (again["status"], again["deaths"], again["restarts"]) == ("up", 1, 1)
+    assert set(again["pids"]).isdisjoint(engine["pids"])
+    metrics = requests.get(vllm_server + "/metrics", timeout=30).text
+    assert 'modeswitch_engine_deaths_total{mode="speculative"} 1.0' in metrics
+    assert 'modeswitch_engine_restarts_total{mode="speculative"} 1.0' in metrics
 
 
 def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_path):

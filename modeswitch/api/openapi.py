@@ -135,7 +135,7 @@ class ModelList(_Open):
 
 class ModeCard(_Open):
     name: str
-    status: Literal["available", "loading", "unavailable", "quarantined"]
+    status: Literal["available", "loading", "restarting", "unavailable", "quarantined"]
     engine: str
     reason: str
 
@@ -149,7 +149,8 @@ class ModeList(_Open):
 class Health(_Open):
     status: str
     modes_available: int
-    modes_loading: int  # a staged start's modes still coming up (benchmarks wait for 0)
+    modes_loading: int  # a staged start's modes still coming up, or restarting (benchmarks wait for 0)
+    modes_down: list[str] = Field(default_factory=list, description="modes that were up and whose engine is down")
 
 
 class PolicyInfo(_Open):

@@ -19,10 +19,14 @@ bp = Blueprint("ops", __name__)
 @bp.get("/health")
 def health():
     c = ctx()
-    available = len(c.service.registry.available())
+    registry = c.service.registry
+    available = len(registry.available())
+    down = sorted(m.name for m in registry.modes.values() if m.down)
     status = 200 if available else 503
-    return jsonify({"status": "ok" if available else "no mode available", "model": c.service.model_name,
-                    "modes_available": available, "modes_loading": len(c.service.registry.loading()),
+    # degraded: it serves, but modes that were up are down (their engine died and is restarting, or gave up)
+    return jsonify({"status": "no mode available" if not available else "degraded" if down else "ok",
+                    "model": c.service.model_name, "modes_down": down,
+                    "modes_available": available, "modes_loading": len(registry.loading()),
                     "in_flight": c.admission.active,
                     "draining": c.admission.draining}), status
 

@@ -8,8 +8,11 @@ on this device, the draft, the dtype, the KV bytes and batch bound of the modes 
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -29,6 +32,12 @@ from .checkpoint import Checkpoint
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
 #: the vLLM CPU op a W8A8 int8 engine runs its matmuls with (oneDNN; in the AVX2 build too)
 INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
+#: how often the supervisor looks at every engine's processes (so a dead engine is found within this)
+SUPERVISE_S = 0.5
+#: a dead engine is started again at most this many times over the server's life, after 2, 4, 8 s
+MAX_RESTARTS = 3
+
+log = logging.getLogger(__name__)
 
 
 class VllmBackend:
@@ -53,6 +62,13 @@ class VllmBackend:
         #: a staged start's later engines, started under SCHED_IDLE while the first one serves (see priority)
         self._background: BackgroundStarts | None = None
         self._first: str | None = None  # the engine started first (the policy's first modes)
+        #: supervision: each engine's mode fronts, its deaths and restarts, the engines being started again
+        self._fronts: dict[str, list[VllmEngine]] = {}
+        self._deaths: Counter[str] = Counter()
+        self._restarts: Counter[str] = Counter()
+        self._down: set[str] = set()
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()
@@ -123,6 +139,7 @@ class VllmBackend:
         workers = len(keys) if self.checkpoint.device.type == "cpu" else 1
         quiet_environment(str(cache_dir()))
         os.environ.setdefault(vllm_plugin.ENV, "1")  # each engine's gloo groups on one device ("0": as torch ships)
+        os.environ[vllm_plugin.SERVER_ENV] = str(os.getpid())  # its engines' processes leave when it is gone
         progress(f"starting {len(keys)} vLLM engine(s), {workers} at a time: " +
                  "; ".join(f"{key} for {', '.join(plan.users[key])}" for key in keys))
         if self.staged and self.yield_start_s > 0 and self._starting and self._background is None:
@@ -181,7 +198,57 @@ class VllmBackend:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")
         engine = VllmEngine(spec.name, runner, spec.prefix_cache, spec.speculative is not None)
+        self._fronts.setdefault(key, []).append(engine)
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)
+            self._supervisor.start()
         return BuiltMode(engine, details, self.checkpoint.step_cost(plan.weights[key]), batch=key)
+
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self) -> None:
+        """Find a dead engine within :data:`SUPERVISE_S`: one of its processes exited (killed, crashed, out of
+        memory). vLLM's own client then waits on the dead process for good, which left the requests on it
+        unanswered."""
+        while not self._closing.wait(SUPERVISE_S):
+            for key, runner in list(self._runners.items()):
+                if key not in self._down and (why := runner.death()) is not None:
+                    self._died(key, runner, f"vLLM engine {key} died: {why}")
+
+    def _died(self, key: str, runner: VllmRunner, reason: str) -> None:
+        """Answer everything on the dead engine, take its modes out of the pool, and start it again (up to
+        :data:`MAX_RESTARTS` times) in the background."""
+        log.warning("%s; %d restart(s) so far", reason, self._restarts[key])
+        self._down.add(key)
+        self._deaths[key] += 1
+        runner.abandon(reason)
+        restarting = self._restarts[key] < MAX_RESTARTS
+        for front in self._fronts[key]:
+            front.died(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} restarts",
+                       restarting)
+        if restarting:
+            threading.Thread(target=self._restart, args=(key, runner), name=f"vllm-restart-{key}", daemon=True).start()
+
+    def _restart(self, key: str, dead: VllmRunner) -> None:
+        while self._restarts[key] < MAX_RESTARTS:
+            self._restarts[key] += 1
+            if self._closing.wait(2 ** self._restarts[key]):
+                return
+            try:
+                runner = VllmRunner(key, dead.engine_args)
+            except Exception as exc:  # counted as a restart; tried again after a longer wait
+                log.warning("vLLM engine %s did not start again: %s", key, exc)
+                continue
+            if self._closing.is_set():  # the server stopped while it started
+                runner.close()
+                return
+            self._runners[key] = runner
+            self._down.discard(key)
+            log.info("vLLM engine %s started again (restart %d)", key, self._restarts[key])
+            for front in self._fronts[key]:
+                front.restarted(runner)
+            return
+        for front in self._fronts[key]:
+            front.report_health(f"vLLM engine {key} did not start again after {MAX_RESTARTS} restarts")
 
     def _cpus(self, key: str, keys: list[str]) -> list[int]:
         """The CPUs engine ``key`` computes on, on a CPU with two or more: vLLM binds each engine's worker to all
@@ -208,8 +275,11 @@ class VllmBackend:
         return {f"vllm:{key}": t for key, t in self._start_s.items()}
 
     def describe(self) -> dict[str, Any]:
-        """Per engine: the modes on it, its start time, and the runner's own state (memory, steps, KV blocks)."""
-        return {key: {"modes": self._modes[key], "startup_s": round(self._start_s[key], 2), **runner.describe()}
+        """Per engine: the modes on it, its start time, deaths and restarts, and the runner's own state
+        (processes, memory, steps, KV blocks)."""
+        return {key: {"modes": self._modes[key], "startup_s": round(self._start_s[key], 2),
+                      "status": "down" if key in self._down else "up", "deaths": self._deaths[key],
+                      "restarts": self._restarts[key], **runner.describe()}
                 for key, runner in self._runners.items()}
 
     def close(self) -> None:
@@ -217,12 +287,14 @@ class VllmBackend:
         together: vLLM gives each engine-core process up to 5 s to leave after SIGTERM before it kills it,
         and one after another four engines took 21 s to stop on the 2-core demo machine (together 6 s)."""
 
-        def stop(future: Future[VllmRunner]) -> None:
+        self._closing.set()  # no engine is started again from now on
+
+        def stop(key: str) -> None:
             try:
-                runner = future.result()
+                runner = self._runners.get(key) or self._starting[key].result()  # the engine as restarted, if it was
             except Exception:  # it never started: nothing to stop
                 return
             runner.close()
 
         with ThreadPoolExecutor(max_workers=max(len(self._starting), 1), thread_name_prefix="vllm-stop") as pool:
-            list(pool.map(stop, self._starting.values()))
+            list(pool.map(stop, list(self._starting)))

@@ -45,7 +45,9 @@ class AvailableGate:
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         if mode.available:
             return None
-        return _LOADING if mode.loading else Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
+        if mode.loading:  # built after the server began serving, or its engine being started again
+            return Verdict(Code.LOADING, f"restarting: {mode.reason}") if mode.reason else _LOADING
+        return Verdict(Code.UNAVAILABLE, f"unavailable: {mode.reason}")
 
 
 class QuarantineGate:

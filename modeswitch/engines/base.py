@@ -191,6 +191,17 @@ class Engine(ABC):
         self._lock = threading.Lock()
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
+        self._watchers: list[Callable[[str | None, bool], None]] = []
+
+    def watch(self, watcher: Callable[[str | None, bool], None]) -> None:
+        """Have ``watcher(down, restarting)`` called when the engine goes down (``down`` says why; ``restarting``:
+        it is being started again) and when it is back up (``down`` None). Engines that run in processes of their
+        own (vLLM) report it; an engine in this process fails with it."""
+        self._watchers.append(watcher)
+
+    def report_health(self, down: str | None, restarting: bool = False) -> None:
+        for watcher in self._watchers:
+            watcher(down, restarting)
 
     def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
         """Have every step of this engine metered and split over its requests by ``cost``."""

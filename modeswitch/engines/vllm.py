@@ -186,6 +186,8 @@ class VllmRunner:
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
         self._stopped = False
+        #: what requests are answered with once the runner has stopped (its engine died, or the server stops)
+        self._stop_reason = "server shutting down"
         self._thread = threading.Thread(target=self._loop, name=f"vllm-{name}", daemon=True)
         self._thread.start()
 
@@ -199,9 +201,35 @@ class VllmRunner:
                 pass
         return total
 
+    def death(self) -> str | None:
+        """Why the engine is dead (one of its processes has exited), or None while every one runs. Cheap: the
+        backend's supervisor asks twice a second."""
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"its process {pid} exited"
+        return None
+
+    def abandon(self, reason: str) -> None:
+        """The engine died: every request it holds is answered with ``reason`` now, new ones at once, and its
+        remaining processes are shut down in the background. The driver thread may be blocked for good in a
+        step waiting on the dead process; it holds nothing and is left to end with the process."""
+        with self._engine_lock:
+            if self._stopped:
+                return
+            self._stopped, self._stop_reason = True, reason
+        self._wake.set()
+        self._fail_live(reason)
+        threading.Thread(target=self._shutdown, name=f"vllm-{self.name}-shutdown", daemon=True).start()
+
     def describe(self) -> dict[str, Any]:
-        """The engine as ``/v1/modes`` shows it: memory of its processes, steps, KV blocks, the prefix shadow."""
-        return {"rss_bytes": self.rss(), "steps": self.stats.steps, "max_running": self.stats.max_running,
+        """The engine as ``/v1/modes`` shows it: its processes and their memory, steps, KV blocks, the prefix
+        shadow."""
+        return {"pids": self.pids, "rss_bytes": self.rss(), "steps": self.stats.steps,
+                "max_running": self.stats.max_running,
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
 
@@ -216,7 +244,7 @@ class VllmRunner:
         self.prefix.record(ids)
         with self._engine_lock:
             if self._stopped:
-                req.emit("error", error="server shutting down")
+                req.emit("error", error=self._stop_reason)
                 return
             if req.cancelled.is_set():
                 req.emit("done", finish_reason="cancelled", cached_tokens=0)
@@ -293,7 +321,7 @@ class VllmRunner:
             self.stats.max_running = max(self.stats.max_running, len(self._live))
             for out in outputs:
                 self._route(out)
-        self._fail_live("server shutting down")
+        self._fail_live(self._stop_reason)
 
     def _fail_live(self, error: str) -> None:
         """Every request the engine holds ends with ``error`` (the engine failed a step, or is closing)."""
@@ -335,6 +363,9 @@ class VllmRunner:
             self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         shutdown = getattr(self.llm.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -355,11 +386,24 @@ class VllmEngine(Engine):
         #: prompt logprobs come from the target model's forward pass, which a speculating engine does not return;
         #: vLLM refuses min_p and logit_bias with speculative decoding (``SamplingParams._validate_spec_decode``)
         self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if speculative else OPTIONS
-        self.counters = {"requests": 0, "generated_tokens": 0}
+        #: deaths and restarts of the engine it runs on (``modeswitch.backends.vllm`` supervises it)
+        self.counters = {"requests": 0, "generated_tokens": 0, "engine_deaths": 0, "engine_restarts": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
         if speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
+
+    def died(self, reason: str, restarting: bool) -> None:
+        """Its engine died (the runner has answered every request it held)."""
+        self.counters["engine_deaths"] += 1
+        self.report_health(reason, restarting)
+
+    def restarted(self, runner: VllmRunner) -> None:
+        """Its engine was started again: serve from ``runner`` from now on."""
+        runner.energy, runner.cost = self.runner.energy, self.runner.cost
+        self.runner = runner
+        self.counters["engine_restarts"] += 1
+        self.report_health(None)
 
     def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
         """Steps are metered by the runner (one step serves every mode on it)."""

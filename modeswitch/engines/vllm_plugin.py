@@ -27,6 +27,10 @@ import os
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
 #: the key of ``additional_config`` that names the CPUs an engine's worker computes on ("0,1": vLLM's list form)
 CPUS_KEY = "modeswitch_cpus"
+#: the pid of the ModeSwitch server whose engines these processes are (``VllmBackend`` sets it)
+SERVER_ENV = "MODESWITCH_SERVER_PID"
+#: how often an engine process checks that its parent is still there
+PARENT_POLL_S = 1.0
 
 
 def register() -> None:
@@ -34,6 +38,31 @@ def register() -> None:
     if os.environ.get(ENV) == "1":
         share_gloo_device()
     bind_engine_cpus()
+    leave_with_parent()
+
+
+def leave_with_parent() -> None:
+    """In an engine process of a ModeSwitch server (not the server itself): exit once its parent is gone. An
+    engine-core process whose server was killed (SIGKILL: nothing stops its engines) would otherwise keep its
+    memory and CPUs for good, and a worker whose engine core died likewise. A thread polls the parent pid: the
+    kernel's parent-death signal would fire when the *thread* that started the engine ends, and a staged start
+    starts engines from threads that end. Idempotent."""
+    import threading
+
+    server = os.environ.get(SERVER_ENV)
+    if not server or str(os.getpid()) == server or any(t.name == "modeswitch-parent-watch"
+                                                       for t in threading.enumerate()):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # no clean-up to wait for: what it held goes with the process
+
+    threading.Thread(target=watch, name="modeswitch-parent-watch", daemon=True).start()
 
 
 def cpus_config(cpus: list[int]) -> dict[str, str]:
