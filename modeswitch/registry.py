@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from .backends import Backend, select_backend
 from .backends.base import Progress
 from .config import LoadConfig
-from .device import device_type, free_memory
+from .device import device_type, free_memory, process_tree_memory
 from .energy import EnergyAccountant, meter_for
 from .engines.base import OPTIONS, Engine, GenRequest, SamplingParams
 from .memory import MemoryPlan
@@ -352,9 +352,15 @@ class ModeRegistry:
         """Planned and measured memory: weights per holder in this process (once), KV per mode, the budget."""
         measured = self.backend.resident_weights()
         plan = self.plan
-        return {"budget_bytes": plan.budget if plan else None, "planned_total_bytes": plan.total if plan else None,
-                "weights_bytes": measured, "weights_total_bytes": sum(measured.values()),
-                "kv_reserved_bytes": sum(f.kv_bytes for f in plan.footprints) if plan else 0}
+        tree = process_tree_memory() if device_type(self.backend.device) == "cpu" else None
+        out = {"budget_bytes": plan.budget if plan else None, "planned_total_bytes": plan.total if plan else None,
+               "weights_bytes": measured, "weights_total_bytes": sum(measured.values()),
+               "kv_reserved_bytes": sum(f.kv_bytes for f in plan.footprints) if plan else 0}
+        if tree is not None:  # on a CPU the models live in the process tree's memory: what it holds, against the plan
+            out["process_tree"] = tree
+            if plan and tree["pss_bytes"]:
+                out["planned_over_measured"] = round(plan.total / tree["pss_bytes"], 3)
+        return out
 
     def startup_seconds(self) -> dict[str, float]:
         """Start-up time: what the backend loaded or started (weights, engines), and each mode's build and warm-up."""

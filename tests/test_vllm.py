@@ -130,7 +130,12 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     # the two a burst is spread over, never on the same ones (vLLM would bind both to the first core)
     if int8_modes and len(os.sched_getaffinity(0)) > 1:
         assert cards["int8"]["cpus"] and cards["int8"]["cpus"] != cards["int8+speculative"]["cpus"]
-    assert all(e["startup_s"] > 0 and e["rss_bytes"] > 50 * 2**20 for e in engines.values())
+    assert all(e["startup_s"] > 0 and e["rss_bytes"] >= e["pss_bytes"] > 50 * 2**20 for e in engines.values())
+    # the process tree holds every engine and the server: measured against the plan
+    tree = info["memory"]["process_tree"]
+    assert tree["pss_bytes"] > sum(e["pss_bytes"] for e in engines.values())
+    assert tree["processes"] > sum(len(e["pids"]) for e in engines.values())
+    assert info["memory"]["planned_over_measured"] > 0
     for name in set(cards) - set(unavailable):
         body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
         assert body["modeswitch"]["mode"] == name and body["usage"]["completion_tokens"] >= 1

@@ -191,15 +191,18 @@ class VllmRunner:
         self._thread = threading.Thread(target=self._loop, name=f"vllm-{name}", daemon=True)
         self._thread.start()
 
-    def rss(self) -> int:
-        """Resident bytes of this engine's engine-core processes."""
-        total = 0
+    def memory(self) -> dict[str, int]:
+        """Resident and proportional bytes (PSS: shared pages split over the processes that map them) of this
+        engine's engine-core and worker processes."""
+        rss = pss = 0
         for pid in self.pids:
             try:
-                total += psutil.Process(pid).memory_info().rss
-            except psutil.Error:
-                pass
-        return total
+                info = psutil.Process(pid).memory_full_info()
+            except (psutil.Error, OSError):
+                continue
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+        return {"rss_bytes": rss, "pss_bytes": pss}
 
     def death(self) -> str | None:
         """Why the engine is dead (one of its processes has exited), or None while every one runs. Cheap: the
@@ -228,7 +231,7 @@ class VllmRunner:
     def describe(self) -> dict[str, Any]:
         """The engine as ``/v1/modes`` shows it: its processes and their memory, steps, KV blocks, the prefix
         shadow."""
-        return {"pids": self.pids, "rss_bytes": self.rss(), "steps": self.stats.steps,
+        return {"pids": self.pids, **self.memory(), "steps": self.stats.steps,
                 "max_running": self.stats.max_running,
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
