@@ -1,0 +1,190 @@
+"""Chaos: mixed load on the default server while its vLLM engines are killed one at a time.
+
+``make serve``'s server (every demo mode on vLLM's engines) gets ``--clients`` clients sending a mix of requests
+for ``--minutes``: plain completions, streamed chats, requests pinned to a random mode, bad requests (expected
+400) and streams the client drops after their first chunk. Every ``--kill-every`` seconds one engine that is up
+gets SIGKILL on its engine-core process; the policy is reloaded once, half-way.
+
+Per kill: seconds until the server reports the death, until the engine is up again, and the requests that were
+running on its modes when it died, by outcome. Overall: requests by outcome; ``stranded`` (no answer within
+``--timeout``, the target is 0); 5xx other than 503 (target 0); the process tree's PSS at the start and the end;
+p50 latency of requests that began and ended outside every kill window (kill to engine up again) against those
+inside one.
+
+    .venv/bin/python benchmarks/chaos.py [--minutes 15] [--kill-every 120] [--clients 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.bench.report import processor, save_results  # noqa: E402
+from modeswitch.launcher import ROOT, start_server, wait_loaded, wait_stopped  # noqa: E402
+
+PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming trick that",
+           "Write a short poem about rivers.", "List three uses of a paperclip:"]
+
+
+def modes(url: str) -> dict:
+    return requests.get(url + "/v1/modes", timeout=30).json()
+
+
+class Load:
+    """``clients`` threads sending the mix until stopped; every request recorded with its outcome."""
+
+    def __init__(self, url: str, clients: int, timeout: float, mode_names: list[str]) -> None:
+        self.url, self.timeout, self.mode_names = url, timeout, mode_names
+        self.records: list[dict] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        rng = random.Random(i)
+        while not self.stop.is_set():
+            kind = rng.choices(["plain", "stream", "pinned", "bad", "dropped"], [4, 3, 2, 1, 1])[0]
+            self.records.append(self._one(kind, rng))
+
+    def _one(self, kind: str, rng: random.Random) -> dict:
+        prompt = rng.choice(PROMPTS) + f" ({rng.randrange(10**6)})"
+        body: dict = {"model": "demo", "max_tokens": rng.randrange(24, 49), "temperature": 0}
+        path = "/v1/completions"
+        if kind == "stream" or kind == "dropped":
+            path, body["messages"], body["stream"] = "/v1/chat/completions", [{"role": "user", "content": prompt}], True
+        else:
+            body["prompt"] = prompt
+        if kind == "pinned":
+            body["mode"] = rng.choice(self.mode_names)
+        if kind == "bad":
+            body["max_tokens"] = -1
+        start = time.time()
+        record = {"kind": kind, "start": start, "mode": body.get("mode")}
+        try:
+            resp = requests.post(self.url + path, json=body, timeout=self.timeout, stream=body.get("stream", False))
+            record["status"] = resp.status_code
+            if body.get("stream") and resp.status_code == 200:
+                lines = resp.iter_lines()
+                if kind == "dropped":
+                    next(lines, None)
+                    resp.close()
+                    record["outcome"] = "dropped"
+                else:
+                    text = [line.decode() for line in lines if line]
+                    record["outcome"] = "error_event" if any('"error"' in t for t in text) else \
+                        "ok" if text and text[-1] == "data: [DONE]" else "cut"
+            elif resp.status_code == 200:
+                record["outcome"], record["mode"] = "ok", resp.json()["modeswitch"]["mode"]
+            else:  # with the error's code: a 400 for a bad field, or for a mode pinned past a gate
+                record["outcome"] = f"http_{resp.status_code} {resp.json()['error'].get('code')}"
+        except requests.Timeout:
+            record["outcome"] = "stranded"
+        except requests.RequestException as exc:
+            record["outcome"] = f"connection: {exc.__class__.__name__}"
+        record["end"] = time.time()
+        return record
+
+
+def kill_one(url: str, rng: random.Random) -> dict:
+    """SIGKILL the engine core of one engine that is up; follow it until it is up again."""
+    engines = {k: e for k, e in modes(url)["vllm_engines"].items() if e["status"] == "up"}
+    key = rng.choice(sorted(engines))
+    before = engines[key]
+    killed = time.time()
+    os.kill(before["pids"][0], signal.SIGKILL)
+    out = {"engine": key, "modes": before["modes"], "killed": killed}
+    while time.time() - killed < 600:
+        now = modes(url)["vllm_engines"][key]
+        if "detected_s" not in out and now["deaths"] > before["deaths"]:
+            out["detected_s"] = round(time.time() - killed, 2)
+        if now["status"] == "up" and now["restarts"] > before["restarts"]:
+            out["back_s"] = round(time.time() - killed, 1)
+            break
+        time.sleep(0.25)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=15)
+    ap.add_argument("--kill-every", type=float, default=120)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=120, help="a request unanswered this long counts as stranded")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url, _ = start_server(Path(tmp), "--model", "demo", wait_s=900, all_modes=False)
+        try:
+            wait_loaded(url)
+            info = modes(url)
+            names = [m["name"] for m in info["modes"] if m["status"] == "available"]
+            pss_start = info["memory"]["process_tree"]["pss_bytes"]
+            load = Load(url, args.clients, args.timeout, names)
+            for t in load.threads:
+                t.start()
+            began, kills, reloaded = time.time(), [], False
+            while time.time() - began < args.minutes * 60:
+                time.sleep(min(args.kill_every, max(1.0, args.minutes * 60 - (time.time() - began))))
+                if time.time() - began >= args.minutes * 60:
+                    break
+                kills.append(kill_one(url, rng))
+                print(f"kill {len(kills)}: {kills[-1]}", flush=True)
+                if not reloaded and time.time() - began > args.minutes * 30:
+                    reloaded = requests.post(url + "/admin/policy", json={}, timeout=30).status_code == 200
+            load.stop.set()
+            for t in load.threads:
+                t.join(args.timeout + 10)
+            time.sleep(5)
+            pss_end = modes(url)["memory"]["process_tree"]["pss_bytes"]
+            health = requests.get(url + "/health", timeout=30).json()
+        finally:
+            proc.terminate()
+            wait_stopped(proc, 300)
+    records = load.records
+    for kill in kills:  # the requests that were running on the killed engine's modes when it died
+        hit = [r for r in records if r["start"] <= kill["killed"] <= r["end"] and r.get("mode") in kill["modes"]]
+        kill["running_on_it"] = {o: sum(r["outcome"] == o for r in hit) for o in sorted({r["outcome"] for r in hit})}
+    windows = [(k["killed"], k["killed"] + k.get("back_s", 600)) for k in kills]
+    ok = [r for r in records if r["outcome"] == "ok" and r["kind"] == "plain"]
+    outside = [r["end"] - r["start"] for r in ok if not any(r["end"] >= a and r["start"] <= b for a, b in windows)]
+    inside = [r["end"] - r["start"] for r in ok if any(r["end"] >= a and r["start"] <= b for a, b in windows)]
+    outcomes = {o: sum(r["outcome"] == o for r in records) for o in sorted({r["outcome"] for r in records})}
+    summary = {
+        "requests": len(records), "outcomes": outcomes, "stranded": outcomes.get("stranded", 0),
+        "unexpected_5xx": sum(r.get("status", 0) >= 500 and r["status"] != 503 for r in records),
+        "bad_requests_answered_400": sum(r["kind"] == "bad" and r.get("status") == 400 for r in records),
+        "bad_requests": sum(r["kind"] == "bad" for r in records),
+        "dropped_streams": sum(r["kind"] == "dropped" for r in records),
+        "pss_start_gb": round(pss_start / 1e9, 2), "pss_end_gb": round(pss_end / 1e9, 2),
+        "p50_plain_outside_kill_windows_s": round(statistics.median(outside), 3) if outside else None,
+        "p50_plain_inside_kill_windows_s": round(statistics.median(inside), 3) if inside else None,
+        "policy_reloaded": reloaded, "health_at_end": health["status"],
+    }
+    lines = ["| kill | engine | detected (s) | back (s) | requests running on it, by outcome |", "|---|---|---|---|---|"]
+    for i, k in enumerate(kills, 1):
+        lines.append(f"| {i} | {k['engine']} | {k.get('detected_s')} | {k.get('back_s')} | {k['running_on_it']} |")
+    table = "\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary.items())
+    print(table)
+    stem = save_results(args.out, "chaos_demo", args.tag,
+                        {"processor": processor(), "args": vars(args), "summary": summary, "kills": kills},
+                        f"# Chaos ({processor()}, {args.minutes} min, a kill every {args.kill_every:.0f} s, "
+                        f"{args.clients} clients)\n\n{table}\n")
+    print(f"wrote {stem}.json/.md")
+    return 0 if summary["stranded"] == 0 and summary["unexpected_5xx"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
