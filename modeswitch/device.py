@@ -51,22 +51,26 @@ def free_memory(device: str) -> int:
     return psutil.virtual_memory().available
 
 
-def process_tree_memory() -> dict[str, int]:
-    """What this process and every process it started (vLLM's engine cores and workers) hold: resident bytes, and
-    proportional bytes (PSS: each shared page split over the processes mapping it, so the sum is the tree's real
-    footprint, where the RSS sum counts shared libraries and mappings once per process)."""
-    procs = [psutil.Process()]
-    procs += procs[0].children(recursive=True)
+def processes_memory(procs) -> dict[str, int]:
+    """What ``procs`` (psutil processes, or pids) hold: resident bytes, and proportional bytes (PSS: each shared
+    page split over the processes mapping it, so their sum is the real footprint, where the RSS sum counts shared
+    libraries and mappings once per process); processes gone meanwhile are left out."""
     rss = pss = alive = 0
     for proc in procs:
         try:
-            info = proc.memory_full_info()
+            info = (proc if isinstance(proc, psutil.Process) else psutil.Process(proc)).memory_full_info()
         except (psutil.Error, OSError):  # gone meanwhile, or not readable
             continue
         alive += 1
         rss += info.rss
         pss += getattr(info, "pss", info.rss)  # Linux has PSS; elsewhere RSS stands in
     return {"processes": alive, "rss_bytes": rss, "pss_bytes": pss}
+
+
+def process_tree_memory() -> dict[str, int]:
+    """What this process and every process it started (vLLM's engine cores and workers) hold."""
+    me = psutil.Process()
+    return processes_memory([me, *me.children(recursive=True)])
 
 
 def memory_headroom() -> tuple[int, float]:

@@ -273,15 +273,13 @@ def _sse(gens: list[Generation], req, kind: str, shape: Shape) -> Iterator[str]:
         yield chunk([{"index": i, **shape.head(i), "finish_reason": None} for i in range(len(gens))], modeswitch=first)
         try:
             for i, text, lps in _interleaved(gens):
+                # at the end (text None), the logprobs of tokens whose text never came out (held back, then cut
+                # by a stop string) still go out
+                delta = shape.delta(i, gens[i], text or "", lps) if text is not None or lps else None
+                if delta is not None:
+                    yield chunk([{"index": i, **delta, "finish_reason": None}])
                 if text is not None:
-                    delta = shape.delta(i, gens[i], text, lps)
-                    if delta is not None:
-                        yield chunk([{"index": i, **delta, "finish_reason": None}])
                     continue
-                if lps:  # tokens whose text never came out (held back, then cut by a stop string)
-                    delta = shape.delta(i, gens[i], "", lps)
-                    if delta is not None:
-                        yield chunk([{"index": i, **delta, "finish_reason": None}])
                 last = shape.tail(i, gens[i])
                 last.setdefault("finish_reason", gens[i].finish_reason)
                 yield chunk([{"index": i, **last}], modeswitch=_report(gens[i]))

@@ -8,6 +8,7 @@ engines get the constraint itself and compile it in their engine core.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -19,8 +20,10 @@ from .base import Constraint
 JSON_OBJECT = '{"type": "object"}'
 
 
+@functools.lru_cache(maxsize=64)
 def grammar(c: Constraint):
-    """The constraint as an ``xgrammar.Grammar``; raises ``ValueError`` saying what is wrong with it."""
+    """The constraint as an ``xgrammar.Grammar``; raises ``ValueError`` saying what is wrong with it. Cached: the
+    HTTP edge parses a request's constraint to check it, and a transformers engine compiles the same one."""
     import xgrammar as xgr
 
     try:

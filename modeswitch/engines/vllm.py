@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from ..device import processes_memory
 from .base import OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens, spec_tokens_per_step
 from .grammar import JSON_OBJECT
 from .paged_prefix import PagedPrefixShadow
@@ -192,17 +193,8 @@ class VllmRunner:
         self._thread.start()
 
     def memory(self) -> dict[str, int]:
-        """Resident and proportional bytes (PSS: shared pages split over the processes that map them) of this
-        engine's engine-core and worker processes."""
-        rss = pss = 0
-        for pid in self.pids:
-            try:
-                info = psutil.Process(pid).memory_full_info()
-            except (psutil.Error, OSError):
-                continue
-            rss += info.rss
-            pss += getattr(info, "pss", info.rss)
-        return {"rss_bytes": rss, "pss_bytes": pss}
+        """Resident and proportional bytes of this engine's engine-core and worker processes."""
+        return processes_memory(self.pids)
 
     def death(self) -> str | None:
         """Why the engine is dead (one of its processes has exited), or None while every one runs. Cheap: the
