@@ -4,7 +4,7 @@ Starts ``serve.py`` (extra server flags after ``--``), then for each mode sends 
 time (batch 1) and --concurrency at once (batch 8), reading the meter before and after each block. The
 meter is NVML's energy counter where there is one (measured), else the server's own estimate read from
 ``/metrics`` (attributed + idle joules): the check is then only that attribution loses nothing. Pass:
-the sum of ``usage.energy_j`` is within 5 % of the meter's delta for every block. Writes JSON to
+the sum of ``usage.energy_j`` is within 5 % of the meter's delta for every block. Writes JSON and markdown to
 benchmarks/results/.
 
     python benchmarks/energy_check.py --modes fp16,continuous_batching
@@ -14,7 +14,6 @@ benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -86,12 +85,17 @@ def main() -> int:
         proc.wait(timeout=60)
     ok = all(r["ratio"] is not None and abs(r["ratio"] - 1) <= 0.05 for r in rows)
     print("PASS" if ok else "FAIL", "(per-request energy within 5 % of the meter in every block)")
-    stem = report.results_stem(ROOT / "benchmarks" / "results", f"energy_{Path(args.model).name}", args.tag)
-    out = Path(f"{stem}.json")
-    out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(), "model": args.model,
-                               "meter": getattr(meter, "name", "server estimate"), "pass": ok, "rows": rows},
-                              indent=1))
-    print(f"wrote {out}")
+    source = getattr(meter, "name", "server estimate")
+    md = [f"# Energy attribution check: {args.model}, {source} ({'PASS' if ok else 'FAIL'})", "",
+          "| mode | batch | requests | tokens | meter delta J | sum of requests J | ratio | J/token |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['mode']} | {r['batch']} | {r['requests']} | {r['tokens']} | {report.number(r['meter_delta_j'])} | "
+           f"{report.number(r['sum_request_j'])} | {report.number(r['ratio'])} | {report.number(r['j_per_token'])} |"
+           for r in rows]
+    stem = report.save_results(ROOT / "benchmarks" / "results", f"energy_{Path(args.model).name}", args.tag,
+                               {"date": datetime.now(timezone.utc).isoformat(), "model": args.model,
+                                "meter": source, "pass": ok, "rows": rows}, "\n".join(md) + "\n")
+    print(f"wrote {stem}.json and .md")
     return 0 if ok else 1
 
 

@@ -1,13 +1,16 @@
 """The modes benchmark on both engines, one after the other in one run, and a side-by-side table.
 
 Runs ``benchmarks/modes.py`` with ``--engine transformers`` and then ``--engine vllm`` (same prompts, same
-flags), then writes ``<date>_engines_<model>.{json,md}``: per mode TTFT, decode tokens/s and concurrent
+flags), then writes ``engines_<model>.{json,md}``: per mode TTFT, decode tokens/s and concurrent
 throughput on each engine with the vLLM/transformers ratio, and vLLM's start time and resident memory per
 engine.
 
     python benchmarks/engines.py                      # demo model, CPU
     python benchmarks/engines.py --repeats 1 -- --max-model-len 2048
     python benchmarks/engines.py --rerun vllm -- --max-model-len 2048   # keep today's transformers results
+
+The two modes runs stay beside it as ``modes_<model>_engine-<engine>.{json,md}``; a run that is not rerun is
+read from there and must be from the same UTC day.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+from modeswitch.bench.report import save_results  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +47,10 @@ def main() -> int:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes.py"), *own, "--tag", tag,
                             "--no-perplexity", "--no-decision-loop", "--", "--engine", engine, *server_extra],
                            check=True)
-        results[engine] = json.loads((OUT / f"{stamp}_modes_{Path(model).name}_{tag}.json").read_text())
+        results[engine] = json.loads((OUT / f"modes_{Path(model).name}_{tag}.json").read_text())
+        if not results[engine]["date"].startswith(stamp):
+            raise SystemExit(f"the {engine} results on disk are from {results[engine]['date'][:10]}, not today: "
+                             f"rerun it (--rerun {engine})")
     hf = {r["mode"]: r for r in results["transformers"]["modes"]}
     vl = {r["mode"]: r for r in results["vllm"]["modes"]}
     rows = []
@@ -69,8 +77,7 @@ def main() -> int:
     for key, e in (results["vllm"].get("vllm_engines") or {}).items():
         lines.append(f"| {key} | {', '.join(e['modes'])} | {e['startup_s']} | {e['rss_bytes'] / 2**20:.0f} |")
     md = "\n".join(lines) + "\n"
-    (OUT / f"{stamp}_engines_{Path(model).name}.md").write_text(md)
-    (OUT / f"{stamp}_engines_{Path(model).name}.json").write_text(json.dumps({"rows": rows, "runs": results}, indent=1))
+    save_results(OUT, f"engines_{Path(model).name}", "", {"rows": rows, "runs": results}, md)
     print(md)
     return 0
 

@@ -350,8 +350,10 @@ def main() -> None:
               "5.19 (carry its wheel in .gpu/whl/ if a section fails)", flush=True)
 
     meter = open_meter() if device.type == "cuda" else None
-    results: dict[str, Any] = {
-        "tag": args.tag or f"{args.device}-{args.shape}", "shape": args.shape, "device": args.device,
+    results: dict[str, Any] = {  # benchmark, tag and date: what benchmarks/digest.py reads (see report.save_results)
+        "benchmark": "gpu_check", "tag": args.tag or f"{args.device}-{args.shape}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": args.shape, "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "transformers": transformers.__version__,
         "compile": compile_mode, "run": run, "energy": "nvml" if meter is not None else None,
@@ -441,7 +443,7 @@ def main() -> None:
     results["dynamo"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "graph_break")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}_gpu_check_{results['tag']}"
+    stem = f"gpu_check_{results['tag']}"  # report.results_stem's naming (this script does not import report)
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
     text = markdown(results)
     (out / f"{stem}.md").write_text(text)

@@ -36,6 +36,7 @@ import requests
 from tqdm import tqdm
 
 from modeswitch.bench.client import pct, stream_completion
+from modeswitch.bench.report import save_results
 from modeswitch.corpus import heldout_paragraphs, token_windows
 from modeswitch.energy import open_meter
 from modeswitch.launcher import ROOT, start_server
@@ -187,7 +188,7 @@ def main() -> int:
                          "every mode its flags name, so a vLLM engine's batch is the one it has in service")
     ap.add_argument("--perplexity", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--decision-loop", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--tag", default=platform.machine(), help="file name suffix for the results")
+    ap.add_argument("--tag", default="", help="the variant, a file name suffix for the results (modes_<model>_<tag>)")
     ap.add_argument("--log-dir", default=None, help="where the server log goes (default: a temp directory)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
@@ -256,12 +257,8 @@ def main() -> int:
         "server_decision_us": {"p50": pct(decisions, 0.5), "p99": pct(decisions, 0.99), "n": len(decisions)},
         "decision_loop": loop, "modes": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{result['date'][:10]}_modes_{Path(args.model).name}_{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     md = render(result)
-    (out / f"{stem}.md").write_text(md)
+    save_results(args.out, f"modes_{Path(args.model).name}", args.tag, result, md)
     print(md)
     return 0
 

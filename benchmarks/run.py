@@ -15,8 +15,8 @@ counts times --scale) to:
 
 Each run reads its prompts from its own stretch of real text, so prefix caches never carry over between
 runs. Per request it records TTFT, latency, tokens, energy (measured or estimated), mode and reason; it
-writes JSON (every record), a markdown table, and PNG plots (latency CDF, J/token, mode mix, regret) to
-benchmarks/results/. --sweep adds the prefix-reuse sweeps (shared-prefix length, suffix diversity,
+writes a summary JSON, every record (gzipped, beside it), a markdown table, and PNG plots (latency CDF,
+J/token, mode mix, regret) to benchmarks/results/. --sweep adds the prefix-reuse sweeps (shared-prefix length, suffix diversity,
 concurrency, arrival pattern) for fp16, prefix_cache, the rule policy and the learned policy.
 
     python benchmarks/run.py                         # demo model, CPU-sized (--scale 0.25, 100 requests)
@@ -200,8 +200,8 @@ def main() -> int:
               "processor": machine,
               "server_args": server_args, "startup_s": startup_s, "gate_report": str(gate_path) if gate_path.is_file() else None,
               "quality_verdicts": verdicts, "allowed_for_oracle": allowed, "targets": targets,
-              "learned_state": admin, "rows": rows, "sweep": sweep, "records": runs}
-    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+              "learned_state": admin, "rows": rows, "sweep": sweep,
+              "records": runs}  # report.save_results writes these to <stem>.records.json.gz, the rest to <stem>.json
     md = [f"# Controller vs static modes vs oracle — {args.model}, {machine}, {stamp}", "",
           f"Mixed trace of {args.requests} requests over the six reference workloads at scale {args.scale} "
           f"({', '.join(f'{s.name} {s.prompt_tokens}->{s.max_tokens}' for s in bench.shapes)}), "
@@ -214,9 +214,9 @@ def main() -> int:
     if sweep:
         md += ["## Prefix-reuse sweeps (mean latency s)", "", sweep_markdown(sweep), ""]
     md += [f"![{p.stem}]({p.name})" for p in pngs]
-    Path(f"{stem}.md").write_text("\n".join(md) + "\n")
+    report.save_results(out, f"controller_{Path(args.model).name}", args.tag, result, "\n".join(md) + "\n")
     print("\n".join(md[:len(rows) + 12]))
-    print(f"wrote {stem}.json, .md and {len(pngs)} plots")
+    print(f"wrote {stem}.json, .md, .records.json.gz and {len(pngs)} plots")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

@@ -8,6 +8,7 @@ runs: for each request slot, the record of the static mode with the lowest laten
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -38,19 +39,59 @@ def processor() -> str:
 
 
 def results_stem(out: Path | str, name: str, tag: str) -> Path:
-    """``out/<UTC date>_<name>_<machine>[_<tag>]``, the naming benchmarks/results/ keeps (one latest run per name
-    and tag), with ``out`` created: where a benchmark writes its files, each with its own suffix."""
+    """``out/<name>[_<tag>]``, with ``out`` created: where a benchmark writes its files, each with its own suffix.
+
+    No date or machine in the name: benchmarks/results/ keeps the latest run of each benchmark and variant (tag),
+    the next run of the same variant overwrites it, and git history keeps the earlier ones. The date and the
+    machine are inside the JSON (:func:`save_results`), where benchmarks/digest.py reads them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return out / (f"{datetime.now(timezone.utc):%Y-%m-%d}_{name}_{platform.machine()}" + (f"_{tag}" if tag else ""))
+    return out / (name + (f"_{tag}" if tag else ""))
 
 
 def save_results(out: Path | str, name: str, tag: str, data: Any, markdown_text: str) -> Path:
-    """Write a benchmark's JSON and markdown at :func:`results_stem`; return that stem."""
+    """Write a benchmark's summary JSON and markdown at :func:`results_stem`; return that stem.
+
+    The JSON is what benchmarks/digest.py builds benchmarks/results/README.md from, so it says what it is: unless
+    the caller set them, ``benchmark`` (``name``), ``tag``, ``date`` (UTC, ISO) and ``processor`` are added.
+    A top-level ``records`` entry (every request of the run: 0.5-2 MB of JSON per run, most of a summary's
+    size) is not in it; it goes to ``<stem>.records.json.gz`` as ``{"records": ...}`` (:func:`save_records`)."""
     stem = results_stem(out, name, tag)
-    Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
+    if isinstance(data, dict):
+        data = dict(data)
+        records = data.pop("records", None)
+        data = {"benchmark": name, "tag": tag, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **_machine(data), **data}
+        if records is not None:
+            data["records_file"] = save_records(stem, records).name
+    Path(f"{stem}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     Path(f"{stem}.md").write_text(markdown_text)
     return stem
+
+
+def save_records(stem: Path | str, records: Any) -> Path:
+    """Per-request records beside a summary, gzipped: ``<stem>.records.json.gz``, compact JSON.
+
+    Kept in git rather than in an ignored directory: they are what a run's oracle, regret and plots are computed
+    from and what a learned policy can be warm-started with (``gunzip -k`` gives the ``{"records": ...}`` file
+    ``warm_start`` reads), and a fresh checkout should still have the latest run's. Gzipped they are 30-110 kB
+    a run instead of 0.5-2 MB; written with no timestamp in the header, so the same records give the same bytes."""
+    path = Path(f"{stem}.records.json.gz")
+    raw = json.dumps({"records": records}, separators=(",", ":"), default=str).encode()
+    with open(path, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, compresslevel=9, mtime=0) as gz:
+        gz.write(raw)
+    return path
+
+
+def _machine(data: dict[str, Any]) -> dict[str, Any]:
+    """``processor`` for a summary that does not name its machine (:func:`processor` needs torch; without it the
+    architecture, as the old file names had it)."""
+    if "processor" in data:
+        return {}
+    try:
+        return {"processor": processor()}
+    except ImportError:
+        return {"processor": platform.machine()}
 
 
 def summarize(records: Records) -> dict[str, Any]:
