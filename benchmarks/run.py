@@ -16,8 +16,9 @@ counts times --scale) to:
 Each run reads its prompts from its own stretch of real text, so prefix caches never carry over between
 runs. Per request it records TTFT, latency, tokens, energy (measured or estimated), mode and reason; it
 writes a summary JSON, every record (gzipped, beside it), a markdown table, and PNG plots (latency CDF,
-J/token, mode mix, regret) to benchmarks/results/. --sweep adds the prefix-reuse sweeps (shared-prefix length, suffix diversity,
-concurrency, arrival pattern) for fp16, prefix_cache, the rule policy and the learned policy.
+J/token, mode mix, regret) to benchmarks/results/. --sweep adds the prefix-reuse sweeps (shared-prefix
+length, suffix diversity, concurrency, arrival pattern) for fp16, prefix_cache, the rule policy and the
+learned policy.
 
     python benchmarks/run.py                         # demo model, CPU-sized (--scale 0.25, 100 requests)
     python benchmarks/run.py --model /path/llama --scale 1 --tag h200 -- --max-model-len 4096
