@@ -18,7 +18,7 @@ fi
 OUT=${OUT:-/tmp/gpu-out}
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-llama-3.1-8b}
-ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/2026-12-01_gpu_check_cpu-dryrun.json}
+ACCEPTANCE=${ACCEPTANCE:-benchmarks/results/gpu_check_cpu-dryrun.json}
 mkdir -p "$OUT"
 if compgen -G ".gpu/whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
