@@ -3,8 +3,11 @@
 Weights are counted once per holder (modes that share a variant share the copy; a vLLM engine holds its
 own); each mode adds the KV memory it reserves: one sequence of ``max_model_len`` tokens for batch-1 modes,
 plus the stored-prefix capacity for prefix-cache modes, the paged block pool for continuous batching, and
-the draft model's KV for speculative modes. Sizes are computed from the model config on the meta device (no
-weights loaded), so a mode set that does not fit is refused at start with every mode's size in the message.
+the draft model's KV for speculative modes. Modes that share one KV pool (a vLLM engine's) share it: the pool
+holds the largest of their reservations. What the runtimes cost beyond weights and KV is counted too: the server
+process as measured when the plan is made, and each engine process the backend starts. Sizes are computed from
+the model config on the meta device (no weights loaded), so a mode set that does not fit is refused at start
+with every mode's size in the message.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ class Footprint:
     kv_detail: str
     #: every weights holder the mode needs -> its bytes (``weights`` first, then e.g. the draft's)
     weights_bytes: dict[str, int] = field(default_factory=dict)
+    #: the KV pool the reservation lives in: modes naming one pool share it (one vLLM engine schedules every mode
+    #: on it from one pool, and queues what does not fit), so it holds the largest of them; "": the mode's own
+    kv_pool: str = ""
+    #: what a holder costs beyond its weights and KV (an engine's process: its runtime's heap, arenas, compiled
+    #: graphs), counted once per holder
+    runtime_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,32 +112,66 @@ class MemoryPlan:
     weights: dict[str, int]                              # holder -> bytes (counted once)
     users: dict[str, list[str]] = field(default_factory=dict)  # holder -> modes sharing it
     footprints: list[Footprint] = field(default_factory=list)
+    #: holder -> what its process or runtime costs beyond weights and KV
+    runtime: dict[str, int] = field(default_factory=dict)
+    #: what this process holds when the plan is made, where the models live in its memory (a CPU): part of the
+    #: footprint, not of what the budget must still fit (free memory is measured with it already taken)
+    server_bytes: int = 0
 
     def add(self, footprint: Footprint) -> None:
-        """Count a mode in: its KV, and each weights holder once however many modes share it."""
+        """Count a mode in: its KV, and each weights holder and runtime once however many modes share it."""
         for holder, size in footprint.weights_bytes.items():
             self.weights.setdefault(holder, size)
             self.users.setdefault(holder, []).append(footprint.mode)
+        for holder, size in footprint.runtime_bytes.items():
+            self.runtime.setdefault(holder, size)
         self.footprints.append(footprint)
 
     @property
+    def pools(self) -> dict[str, int]:
+        """KV pool -> the bytes it reserves: the largest reservation of the modes in it."""
+        out: dict[str, int] = {}
+        for f in self.footprints:
+            pool = f.kv_pool or f.mode
+            out[pool] = max(out.get(pool, 0), f.kv_bytes)
+        return out
+
+    @property
+    def kv_total(self) -> int:
+        return sum(self.pools.values())
+
+    @property
     def total(self) -> int:
-        return sum(self.weights.values()) + sum(f.kv_bytes for f in self.footprints)
+        return sum(self.weights.values()) + self.kv_total + sum(self.runtime.values()) + self.server_bytes
+
+    @property
+    def to_load(self) -> int:
+        """What the modes add to what this process already holds: what the budget must fit."""
+        return self.total - self.server_bytes
+
+    def holder_bytes(self, holder: str) -> int:
+        """What one holder (a vLLM engine) is planned to hold: its weights, its KV pool, its runtime."""
+        return self.weights.get(holder, 0) + self.pools.get(holder, 0) + self.runtime.get(holder, 0)
 
     def describe(self) -> str:
         lines = [f"  weights {v}: {fmt(b)} (shared by {', '.join(self.users.get(v, []))})"
                  for v, b in self.weights.items()]
-        lines += [f"  mode {f.mode}: KV {fmt(f.kv_bytes)} ({f.kv_detail})" for f in self.footprints]
-        return "\n".join(lines + [f"  total {fmt(self.total)} of a budget of {fmt(self.budget)}"])
+        lines += [f"  mode {f.mode}: KV {fmt(f.kv_bytes)} ({f.kv_detail})" +
+                  (f" in the pool of {f.kv_pool} ({fmt(self.pools[f.kv_pool])})" if f.kv_pool else "")
+                  for f in self.footprints]
+        lines += [f"  runtime {holder}: {fmt(b)}" for holder, b in self.runtime.items()]
+        if self.server_bytes:
+            lines.append(f"  this process, already resident: {fmt(self.server_bytes)}")
+        return "\n".join(lines + [f"  to load {fmt(self.to_load)} of a budget of {fmt(self.budget)}"])
 
     def check(self) -> None:
-        if self.total > self.budget:
+        if self.to_load > self.budget:
             raise MemoryBudgetExceeded(
-                f"the selected modes need {fmt(self.total)} but the memory budget is {fmt(self.budget)}:\n"
+                f"the selected modes need {fmt(self.to_load)} but the memory budget is {fmt(self.budget)}:\n"
                 f"{self.describe()}\nload fewer modes (--modes a,b,...) or raise --memory-budget")
 
     def mode_bytes(self, mode: str) -> dict:
         fp = next(f for f in self.footprints if f.mode == mode)
         return {"weights_variant": fp.weights, "weights_bytes": self.weights.get(fp.weights, 0),
                 "weights_shared_with": [m for m in self.users.get(fp.weights, []) if m != mode],
-                "kv_bytes": fp.kv_bytes}
+                "kv_bytes": fp.kv_bytes, **({"kv_pool": fp.kv_pool} if fp.kv_pool else {})}

@@ -223,6 +223,8 @@ class ModeRegistry:
         device = self.backend.device
         budget = self.load_config.memory_budget or int(free_memory(device) * (1 - DEFAULT_HEADROOM))
         plan = MemoryPlan(budget=budget, weights={})
+        if device_type(device) == "cpu":  # the models live in the memory of this process and its children
+            plan.server_bytes = process_tree_memory()["pss_bytes"]
         for state in self.modes.values():
             try:
                 plan.add(self.backend.footprint(state.spec))
@@ -355,7 +357,8 @@ class ModeRegistry:
         tree = process_tree_memory() if device_type(self.backend.device) == "cpu" else None
         out = {"budget_bytes": plan.budget if plan else None, "planned_total_bytes": plan.total if plan else None,
                "weights_bytes": measured, "weights_total_bytes": sum(measured.values()),
-               "kv_reserved_bytes": sum(f.kv_bytes for f in plan.footprints) if plan else 0}
+               "kv_reserved_bytes": plan.kv_total if plan else 0,
+               "runtime_bytes": {**plan.runtime, "server": plan.server_bytes} if plan else {}}
         if tree is not None:  # on a CPU the models live in the process tree's memory: what it holds, against the plan
             out["process_tree"] = tree
             if plan and tree["pss_bytes"]:

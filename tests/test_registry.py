@@ -10,7 +10,7 @@ import pytest
 from modeswitch.backends.base import BuiltMode, ModelInfo
 from modeswitch.config import LoadConfig
 from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
-from modeswitch.memory import Footprint, MemoryBudgetExceeded
+from modeswitch.memory import Footprint, MemoryBudgetExceeded, MemoryPlan
 from modeswitch.models import PRESETS
 from modeswitch.modes import ModeSpec
 from modeswitch.registry import ModeRegistry
@@ -170,3 +170,23 @@ def test_a_staged_load_whose_first_modes_fail_loads_everything_before_serving():
     assert reg.load(lambda line: None, first=("gptq",)) == []
     assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "int8", "broken_warm_up"] and not reg.loading()
     reg.close()
+
+
+def test_a_shared_kv_pool_holds_its_largest_reservation_and_runtimes_count_once():
+    """Modes on one engine share its KV pool (it holds the largest of their reservations, not their sum); an
+    engine's runtime counts once however many modes it serves; what the server already holds is in the total,
+    not in what the budget must still fit."""
+    plan = MemoryPlan(budget=10 * GIB, weights={}, server_bytes=GIB)
+    plan.add(Footprint("fp16", "e1", GIB, "one sequence", {"e1": GIB}, kv_pool="e1", runtime_bytes={"e1": GIB}))
+    plan.add(Footprint("prefix_cache", "e1", 2 * GIB, "one sequence + prefixes", {"e1": GIB}, kv_pool="e1",
+                       runtime_bytes={"e1": GIB}))
+    plan.add(Footprint("gptq", "gptq", GIB, "one sequence", {"gptq": GIB}))  # a pool of its own
+    assert plan.pools == {"e1": 2 * GIB, "gptq": GIB} and plan.kv_total == 3 * GIB
+    assert plan.holder_bytes("e1") == 4 * GIB  # weights, pool, runtime
+    assert plan.total == 2 * GIB + 3 * GIB + GIB + GIB and plan.to_load == plan.total - GIB
+    plan.check()
+    assert plan.mode_bytes("prefix_cache")["kv_pool"] == "e1" and "kv_pool" not in plan.mode_bytes("gptq")
+    assert "in the pool of e1 (2.00 GiB)" in plan.describe() and "runtime e1: 1.00 GiB" in plan.describe()
+    plan.budget = 5 * GIB
+    with pytest.raises(MemoryBudgetExceeded, match="need 6.00 GiB but the memory budget is 5.00 GiB"):
+        plan.check()

@@ -1,6 +1,7 @@
 """The plugin ModeSwitch's vLLM engines load (modeswitch.engines.vllm_plugin): every gloo group in a process
-on one gloo device, so an idle engine runs one gloo event-loop thread instead of 13. Real torch.distributed
-groups in real processes, set up as vLLM's CPU worker sets them up (a default group and 12 more)."""
+on one gloo device, so an idle engine runs one gloo event-loop thread instead of 13 (real torch.distributed
+groups in real processes, set up as vLLM's CPU worker sets them up: a default group and 12 more); an engine's
+worker in its engine-core process (a real vLLM engine config)."""
 
 from __future__ import annotations
 
@@ -54,31 +55,26 @@ def test_without_the_variable_the_plugin_leaves_torch_as_shipped():
     assert run_ranks(world=1, shared=False) == [(GROUPS * 3, GROUPS + 1)]
 
 
-BIND = """
+CONFIG = """
 import json, sys
-from types import SimpleNamespace
-from vllm.utils.ompmultiprocessing import OMPProcessManager
-from modeswitch.engines.vllm_plugin import CPUS_KEY, register
+from vllm.engine.arg_utils import EngineArgs
+from modeswitch.engines.vllm_plugin import engine_config, register
+from modeswitch.models import prepare_demo_checkpoint
 register()
 register()  # vLLM may call it more than once a process
-parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
-def lists(additional):
-    config = SimpleNamespace(parallel_config=parallel, kv_transfer_config=None, additional_config=additional)
-    manager = OMPProcessManager(config)
-    with manager.configure_omp_envs(0, 0):
-        import os
-        return manager.cpu_lists, os.environ.get("OMP_NUM_THREADS")
-print(json.dumps([lists({CPUS_KEY: sys.argv[1]}), lists({})]))
+def backend(additional):
+    args = EngineArgs(model=str(prepare_demo_checkpoint()), max_model_len=512, kv_cache_memory_bytes=2**26,
+                      additional_config=additional)
+    return args.create_engine_config().parallel_config.distributed_executor_backend
+print(json.dumps([backend(engine_config([int(sys.argv[1])])), backend({})]))
 """
 
 
-def test_an_engines_worker_is_bound_to_the_cpus_its_config_names():
-    """The CPUs travel in the engine's own config and are bound where vLLM binds its worker's threads; an engine
-    whose config names none (vLLM's own server) is bound as vLLM binds it."""
-    cpus = sorted(os.sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", BIND, str(cpus[-1])], capture_output=True, text=True, timeout=300,
+def test_an_engine_modeswitch_starts_keeps_its_worker_in_its_engine_process():
+    """vLLM's CPU platform turns a single worker into a worker process; an engine whose config asks for one
+    process keeps vLLM's single-process executor, and one that does not (vLLM's own server) is left as shipped."""
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    out = subprocess.run([sys.executable, "-c", CONFIG, str(cpu)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
-    (named, threads), (default, _) = json.loads(out.stdout.strip().splitlines()[-1])
-    assert named == [[cpus[-1]]] and threads == "1"
-    assert default and default != named or len(cpus) == 1  # vLLM's auto binding: all CPUs but its scheduler's
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["uni", "mp"]

@@ -38,6 +38,12 @@ INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
 SUPERVISE_S = 0.5
 #: a dead engine is started again at most this many times over the server's life, after 2, 4, 8 s
 MAX_RESTARTS = 3
+#: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
+#: oneDNN's and Inductor's caches, activations): PSS less planned weights and KV of the demo's five engines, one
+#: process each, measured on the 2-core demo machine: 0.9-1.1 GiB (more on the int8 engines, whose oneDNN
+#: kernels keep their own copy of the weights). On a GPU the plan counts device memory, where an engine's runtime
+#: (CUDA context, graphs, activations) has not been measured here: it plans weights and KV only.
+CPU_ENGINE_RUNTIME_BYTES = 2**30
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ class VllmBackend:
         #: a staged start's later engines, started under SCHED_IDLE while the first one serves (see priority)
         self._background: BackgroundStarts | None = None
         self._first: str | None = None  # the engine started first (the policy's first modes)
+        self._plan: MemoryPlan | None = None
         #: supervision: each engine's mode fronts, its deaths and restarts, the engines being started again
         self._fronts: dict[str, list[VllmEngine]] = {}
         self._deaths: Counter[str] = Counter()
@@ -87,7 +94,9 @@ class VllmBackend:
         kv, detail = self.checkpoint.kv(spec, variants)
         key = self.runner_key(spec)
         self._specs[spec.name] = spec  # build() sizes each engine for every mode planned onto it
-        return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())})
+        runtime = CPU_ENGINE_RUNTIME_BYTES if self.checkpoint.device.type == "cpu" else 0
+        return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())}, kv_pool=key,
+                         runtime_bytes={key: runtime})
 
     def _source(self, spec: ModeSpec) -> str:
         """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
@@ -139,6 +148,7 @@ class VllmBackend:
         about the time of two. On a GPU they start one at a time, as vLLM's start-up memory check expects to
         see the device alone."""
         workers = len(keys) if self.checkpoint.device.type == "cpu" else 1
+        self._plan = plan
         quiet_environment(str(cache_dir()))
         os.environ.setdefault(vllm_plugin.ENV, "1")  # each engine's gloo groups on one device ("0": as torch ships)
         os.environ[vllm_plugin.SERVER_ENV] = str(os.getpid())  # its engines' processes leave when it is gone
@@ -156,9 +166,9 @@ class VllmBackend:
 
     def _start_engine(self, key: str, plan: MemoryPlan, progress: Progress,
                       background: BackgroundStarts | None) -> VllmRunner:
-        """One engine sized for every mode planned onto it: their KV bytes, their queue bounds summed."""
+        """One engine sized for every mode planned onto it: its KV pool, their queue bounds summed."""
         modes = plan.users[key]
-        kv = sum(f.kv_bytes for f in plan.footprints if f.weights == key)
+        kv = plan.pools[key]
         args = self._engine_args(self._specs[modes[0]], kv, sum(self._specs[m].max_queue for m in modes),
                                  self._cpus(key, list(plan.users)))
         started = time.perf_counter()
@@ -253,10 +263,11 @@ class VllmBackend:
             front.report_health(f"vLLM engine {key} did not start again after {MAX_RESTARTS} restarts")
 
     def _cpus(self, key: str, keys: list[str]) -> list[int]:
-        """The CPUs engine ``key`` computes on, on a CPU with two or more: vLLM binds each engine's worker to all
-        CPUs but one, which it leaves to the engine's scheduler process, and binds every engine the same way, so
-        on 2 cores every engine of a server computed on core 0 and the engines took turns. Here each engine
-        gets the same number of CPUs, rotated by one per engine: the first mode's engine first, then the others on
+        """The CPUs engine ``key`` computes on, on a CPU with two or more: vLLM would bind each engine's worker to
+        all CPUs but one (the one it leaves to an engine's scheduler process), every engine the same way, so on 2
+        cores every engine of a server computed on core 0 and the engines took turns. Here each engine gets as
+        many CPUs (all but one: an engine's scheduler runs between its steps, on the same thread), rotated by
+        one per engine: the first mode's engine first, then the others on
         its weights (the drafting one: the two a burst is spread over), then the rest. On the 2-core demo machine
         two engines on their own cores served a burst of 24 requests at 12 clients at 4.2-4.8 s mean latency
         where one engine took 7.4 s. Empty on a GPU or a single CPU (nothing to rotate)."""
@@ -277,11 +288,12 @@ class VllmBackend:
         return {f"vllm:{key}": t for key, t in self._start_s.items()}
 
     def describe(self) -> dict[str, Any]:
-        """Per engine: the modes on it, its start time, deaths and restarts, and the runner's own state
-        (processes, memory, steps, KV blocks)."""
+        """Per engine: the modes on it, its start time, deaths and restarts, what the plan gives it, and the
+        runner's own state (processes, measured memory, steps, KV blocks)."""
         return {key: {"modes": self._modes[key], "startup_s": round(self._start_s[key], 2),
                       "status": "down" if key in self._down else "up", "deaths": self._deaths[key],
-                      "restarts": self._restarts[key], **runner.describe()}
+                      "restarts": self._restarts[key],
+                      "planned_bytes": self._plan.holder_bytes(key) if self._plan else None, **runner.describe()}
                 for key, runner in self._runners.items()}
 
     def _stop_starting(self) -> None:

@@ -100,8 +100,8 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     )
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
-    if cpus:  # the CPUs its worker computes on (vllm_plugin binds them in the engine's own process)
-        args["additional_config"] = vllm_plugin.cpus_config(cpus)
+    # one process per engine, computing on ``cpus`` (see vllm_plugin)
+    args["additional_config"] = vllm_plugin.engine_config(cpus or [])
     return args
 
 

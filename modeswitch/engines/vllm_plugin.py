@@ -2,11 +2,13 @@
 point (declared in pyproject.toml), which vLLM loads in its engine-core and worker processes before they set up
 torch.distributed.
 
-It binds an engine's worker to the CPUs ModeSwitch chose for that engine (``CPUS_KEY`` in the engine's
-``additional_config``). vLLM binds a CPU worker's threads to the CPUs its ``VLLM_CPU_OMP_THREADS_BIND`` names,
-read in the engine-core process when it starts its workers; the variable is process-wide, and engines start
-together from one process, so each engine's choice travels in its own config instead. A worker re-pinned from
-outside after it started does not stay put: its OpenMP runtime binds its main thread to its places again.
+It runs an engine's worker inside the engine-core process, bound to the CPUs ModeSwitch chose for that engine
+(``ONE_PROCESS_KEY`` and ``CPUS_KEY`` in the engine's ``additional_config``). vLLM's CPU platform always runs
+a worker process beside the engine core (its "mp" executor, so that OpenMP can be set up from the environment
+before the worker imports torch); that second process costs ~0.6 GB (another copy of vLLM, torch and their
+Python heap) per engine: 3 GB of the 12 GB the 5 demo engines held. One process per engine ("uni", vLLM's
+executor for a single GPU) with the computing thread bound and torch's thread count set from the engine's CPUs
+served 4 concurrent 64-token streams in 2.5 s where the two processes took 3.0 s (demo model, bf16, 2 cores).
 
 It also gives all of a process's gloo groups one gloo device. vLLM's CPU worker sets up 13 torch.distributed gloo
 groups even for a single process, and torch gives each group a TCP device of its own, whose event-loop thread
@@ -27,6 +29,8 @@ import os
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
 #: the key of ``additional_config`` that names the CPUs an engine's worker computes on ("0,1": vLLM's list form)
 CPUS_KEY = "modeswitch_cpus"
+#: the key of ``additional_config`` that keeps an engine's worker in its engine-core process
+ONE_PROCESS_KEY = "modeswitch_one_process"
 #: the pid of the ModeSwitch server whose engines these processes are (``VllmBackend`` sets it)
 SERVER_ENV = "MODESWITCH_SERVER_PID"
 #: how often an engine process checks that its parent is still there
@@ -37,7 +41,8 @@ def register() -> None:
     """The entry point vLLM calls, possibly more than once a process."""
     if os.environ.get(ENV) == "1":
         share_gloo_device()
-    bind_engine_cpus()
+    keep_worker_in_engine_process()
+    bind_worker_threads()
     leave_with_parent()
 
 
@@ -65,9 +70,10 @@ def leave_with_parent() -> None:
     threading.Thread(target=watch, name="modeswitch-parent-watch", daemon=True).start()
 
 
-def cpus_config(cpus: list[int]) -> dict[str, str]:
-    """The ``additional_config`` that binds an engine's worker to ``cpus``."""
-    return {CPUS_KEY: ",".join(map(str, cpus))}
+def engine_config(cpus: list[int]) -> dict[str, str]:
+    """The ``additional_config`` of an engine ModeSwitch starts: its worker in its engine-core process, computing
+    on ``cpus`` (empty: as torch sets itself up)."""
+    return {ONE_PROCESS_KEY: "1", CPUS_KEY: ",".join(map(str, cpus))}
 
 
 def _named_cpus(additional_config: dict | None) -> list[int]:
@@ -80,24 +86,52 @@ def engine_cpus(engine_args: dict) -> list[int]:
     return _named_cpus(engine_args.get("additional_config"))
 
 
-def bind_engine_cpus() -> None:
-    """Have vLLM's CPU process manager bind the worker to the CPUs the engine's config names, where it names
-    them (engines ModeSwitch starts); otherwise it binds as configured. Idempotent."""
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
+def _one_process(vllm_config) -> bool:
+    return (getattr(vllm_config, "additional_config", None) or {}).get(ONE_PROCESS_KEY) == "1"
 
-    init = OMPProcessManager.__init__
-    if getattr(init, "binds_engine_cpus", False):
+
+def keep_worker_in_engine_process() -> None:
+    """Undo the CPU platform's switch from the single-process executor to worker processes, for engines whose
+    config asks for one process (vLLM's own server is left as shipped). Idempotent."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config
+    if getattr(check, "keeps_one_process", False):
+        return
+    original = check.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(cls, vllm_config)
+        parallel = vllm_config.parallel_config
+        if _one_process(vllm_config) and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+    check_and_update_config.keeps_one_process = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def bind_worker_threads() -> None:
+    """Where a CPU worker runs in its engine-core process: bind the thread that runs it (the engine core's main
+    thread; OpenMP's threads inherit it) to the engine's CPUs and use one torch thread per CPU, as vLLM's worker
+    processes are set up from the environment. Before vLLM's worker setup, which then forbids
+    ``torch.set_num_threads``. Idempotent."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    init = CPUWorker.init_device
+    if getattr(init, "binds_threads", False):
         return
 
-    def __init__(self, config) -> None:
-        init(self, config)
-        cpus = _named_cpus(getattr(config, "additional_config", None))
-        if cpus and getattr(self, "cpu_lists", None) is not None:
-            self.skip_setup, self.auto_setup = False, False
-            self.cpu_lists = [cpus] * len(self.cpu_lists or [0])
+    def init_device(self) -> None:
+        cpus = _named_cpus(getattr(self.vllm_config, "additional_config", None))
+        if _one_process(self.vllm_config) and cpus:
+            import torch
 
-    __init__.binds_engine_cpus = True
-    OMPProcessManager.__init__ = __init__
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(len(cpus))
+        init(self)
+
+    init_device.binds_threads = True
+    CPUWorker.init_device = init_device
 
 
 def share_gloo_device() -> None:
