@@ -57,7 +57,7 @@ def deploy(serve, args, router: str) -> float:
     # the paper table: its default is prefix_cache, which every --modes here is expected to include
     server = ServerConfig(model=args.model, modes=tuple(args.modes.split(",")), gate_report="none",
                           policy=POLICIES_DIR / "paper.yaml",
-                          load=LoadConfig(engine="transformers"), http=HttpConfig(drain_timeout=5))
+                          load=LoadConfig(engine="transformers", staged=False), http=HttpConfig(drain_timeout=5))
     t0 = time.perf_counter()
     serve.run(application(ClusterConfig(server=server, replicas=args.replicas, router=router,
                                         prefix_weight=float(weight or 4.0))),

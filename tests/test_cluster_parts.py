@@ -78,7 +78,7 @@ def test_merged_metrics_label_each_replica_and_keep_families_whole():
 def replica():
     backend = FakeBackend(default=Script(prefix_cache=True))
     config = ServerConfig(model="demo", modes=("fp16", "prefix_cache"), gate_report="none",
-                          load=LoadConfig(engine="transformers"))
+                          load=LoadConfig(engine="transformers", staged=False))
     core = ReplicaServer(config, "r1", backend=backend)
     yield core
     core.close()

@@ -111,7 +111,7 @@ def test_responses_and_metrics_carry_estimated_energy(server):
 # ---------------------------------------------------------------------------------------------- energy gate
 def gated_controller(text: str) -> Controller:
     modes = [m for m in load_modes() if m.name in ("fp16", "gptq", "int8")]
-    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(engine="transformers", device="cpu"))
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
     return Controller(pool.modes, policy_from(text))

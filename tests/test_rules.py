@@ -91,7 +91,7 @@ def test_a_policy_may_name_modes_left_out_by_dash_dash_modes():
 
     modes = load_modes()
     served = [m for m in modes if m.name in ("fp16", "prefix_cache")]
-    pool = ModeRegistry(PRESETS["demo"], served, LoadConfig(device="cpu"))
+    pool = ModeRegistry(PRESETS["demo"], served, LoadConfig(engine="transformers", device="cpu"))
     for state in pool.modes.values():
         state.status = "available"  # as after a successful load (no engines needed to decide)
     policy = load_policy(ROOT / "policies" / "paper.yaml", [m.name for m in modes])
@@ -108,7 +108,7 @@ def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
     from modeswitch.registry import ModeRegistry
 
     modes = [m for m in load_modes() if m.name in ("fp16", "gptq", "int8")]
-    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(engine="transformers", device="cpu"))
     for state in pool.modes.values():
         state.status = "available"
     report = {"tasks": {"cloze": {"higher_is_better": True}, "ppl": {"higher_is_better": False}},
@@ -143,7 +143,7 @@ def test_the_default_policy_batches_int8_first_and_falls_back_to_the_reference_w
     from modeswitch.resources import DEFAULT_POLICY, shipped_report
 
     modes = load_modes()
-    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(device="cpu"))
+    pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(engine="transformers", device="cpu"))
     for state in pool.modes.values():
         state.status = "available"
     controller = Controller(pool.modes, load_policy(DEFAULT_POLICY, MODES))

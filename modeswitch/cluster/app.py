@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ..config import ServerConfig
+from ..config import ServerConfig, add_flags, option, read_flags
 from ..server import build_parser, config_from_args
 from .routing import ROUTERS
 
@@ -21,17 +21,19 @@ class ClusterConfig:
     """How the replicas are laid out and routed; each replica serves ``server`` (one ModeSwitch server)."""
 
     server: ServerConfig
-    replicas: int = 2
-    router: str = "modeswitch"
-    #: Ray resources per replica; None: one GPU each where there is a GPU, else an equal share of the CPUs
-    num_cpus: float | None = None
-    num_gpus: float | None = None
-    address: str | None = None
-    max_ongoing: int = 64
-    stats_period_s: float = 1.0
-    request_timeout_s: float = 600.0
-    #: the ModeSwitch router's worth of a whole-prompt prefix hit, in queued requests
-    prefix_weight: float = 4.0
+    replicas: int = option(2, "ModeSwitch servers (one per GPU on GPUs)")
+    router: str = option("modeswitch", "modeswitch (prefix-, load- and gate-aware), round_robin, or prefix_affinity "
+                         "(Ray's PrefixCacheAffinityRouter)", choices=sorted(ROUTERS))
+    num_cpus: float | None = option(None, "logical CPUs per replica (default: an equal share of the cluster's CPUs "
+                                    "without GPUs)", flag="--replica-cpus")
+    num_gpus: float | None = option(None, "GPUs per replica (default: 1 where GPUs exist)", flag="--replica-gpus")
+    address: str | None = option(None, "Ray cluster to join (e.g. ray://head:10001; default: start a local one)")
+    max_ongoing: int = option(64, "requests one replica may hold (Serve queues the rest at the router)")
+    stats_period_s: float = option(1.0, "seconds between replicas' routing stats", flag="--stats-period")
+    request_timeout_s: float = option(600.0, "seconds a request may wait for a replica's first byte before a 503",
+                                      flag="--request-timeout")
+    prefix_weight: float = option(4.0, "modeswitch router: what a prefix hit on the whole prompt is worth, in queued "
+                                  "requests (higher: more prefix affinity, less load balance)")
 
 
 def cluster_parser() -> argparse.ArgumentParser:
@@ -40,34 +42,15 @@ def cluster_parser() -> argparse.ArgumentParser:
     p.description = ("ModeSwitch replicas behind Ray Serve: one OpenAI-compatible endpoint, each request sent to "
                      "the replica that serves it best, whose controller then picks the mode. Server flags as "
                      "for serve.py.")
-    g = p.add_argument_group("cluster")
-    g.add_argument("--replicas", type=int, default=2, help="ModeSwitch servers (one per GPU on GPUs)")
-    g.add_argument("--router", default="modeswitch", choices=sorted(ROUTERS),
-                   help="modeswitch (prefix-, load- and gate-aware), round_robin, or prefix_affinity "
-                        "(Ray's PrefixCacheAffinityRouter)")
-    g.add_argument("--address", default=None, help="Ray cluster to join (e.g. ray://head:10001; default: start a "
-                                                    "local one)")
-    g.add_argument("--replica-cpus", type=float, default=None,
-                   help="logical CPUs per replica (default: an equal share of the cluster's CPUs without GPUs)")
-    g.add_argument("--replica-gpus", type=float, default=None, help="GPUs per replica (default: 1 where GPUs exist)")
-    g.add_argument("--max-ongoing", type=int, default=64,
-                   help="requests one replica may hold (Serve queues the rest at the router)")
-    g.add_argument("--stats-period", type=float, default=1.0, help="seconds between replicas' routing stats")
-    g.add_argument("--prefix-weight", type=float, default=4.0,
-                   help="modeswitch router: what a prefix hit on the whole prompt is worth, in queued requests "
-                        "(higher: more prefix affinity, less load balance)")
-    g.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may wait for a replica's first byte before a 503")
+    add_flags(p, ClusterConfig, "cluster.")
     return p
 
 
 def config_from_cluster_args(args: argparse.Namespace) -> ClusterConfig:
-    if args.replicas < 1:
+    config = ClusterConfig(server=config_from_args(args), **read_flags(args, ClusterConfig, "cluster."))
+    if config.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
-    return ClusterConfig(server=config_from_args(args), replicas=args.replicas, router=args.router,
-                         num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, address=args.address,
-                         max_ongoing=args.max_ongoing, stats_period_s=args.stats_period,
-                         request_timeout_s=args.request_timeout, prefix_weight=args.prefix_weight)
+    return config
 
 
 def replica_resources(config: ClusterConfig) -> tuple[float, float]:

@@ -65,7 +65,8 @@ class ModeSwitchLM(TemplateLM):
         specs = [spec] if scorer is spec else [spec, scorer]
         # +2: a scored sequence of max_length + 1 tokens (as lm-eval's hf model truncates) plus one generated
         config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
-                              load=LoadConfig(engine=engine, device=device, dtype=dtype, max_model_len=max_length + 2))
+                              load=LoadConfig(engine=engine, device=device, dtype=dtype, max_model_len=max_length + 2,
+                                              staged=False))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=specs, policy=policy)
         self.registry = self.service.registry
