@@ -1,17 +1,19 @@
 """Chaos: mixed load on the default server while its vLLM engines are killed one at a time.
 
 ``make serve``'s server (every demo mode on vLLM's engines) gets ``--clients`` clients sending a mix of requests
-for ``--minutes``: plain completions, streamed chats, requests pinned to a random mode, bad requests (expected
-400) and streams the client drops after their first chunk. Every ``--kill-every`` seconds one engine that is up
-gets SIGKILL on its engine-core process; the policy is reloaded once, half-way.
+for ``--baseline-minutes`` and then ``--minutes``: plain completions, streamed chats, requests pinned to a random
+mode, bad requests (expected 400) and streams the client drops after their first chunk. The first span is the
+baseline: no kills. Then every ``--kill-every`` seconds one engine that is up gets SIGKILL on its engine-core
+process (an engine is one process); the policy is reloaded once, half-way.
 
 Per kill: seconds until the server reports the death, until the engine is up again, and the requests that were
 running on its modes when it died, by outcome. Overall: requests by outcome; ``stranded`` (no answer within
 ``--timeout``, the target is 0); 5xx other than 503 (target 0); the process tree's PSS at the start and the end;
-p50 latency of requests that began and ended outside every kill window (kill to engine up again) against those
-inside one.
+p50 latency of plain requests in the baseline, and of those that began and ended after it outside every kill
+window (kill to engine up again) and inside one: outside over baseline is what the kills cost the requests they
+did not hit (the target is at most 1.1x).
 
-    .venv/bin/python benchmarks/chaos.py [--minutes 15] [--kill-every 120] [--clients 4]
+    .venv/bin/python benchmarks/chaos.py [--baseline-minutes 5] [--minutes 15] [--kill-every 120] [--clients 4]
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Load:
                     resp.close()
                     record["outcome"] = "dropped"
                 else:
+                    record["mode"] = resp.headers.get("X-ModeSwitch-Mode")
                     text = [line.decode() for line in lines if line]
                     record["outcome"] = "error_event" if any('"error"' in t for t in text) else \
                         "ok" if text and text[-1] == "data: [DONE]" else "cut"
@@ -117,6 +120,7 @@ def kill_one(url: str, rng: random.Random) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline-minutes", type=float, default=5, help="the same load first, with no kills")
     ap.add_argument("--minutes", type=float, default=15)
     ap.add_argument("--kill-every", type=float, default=120)
     ap.add_argument("--clients", type=int, default=4)
@@ -131,10 +135,12 @@ def main() -> int:
             wait_loaded(url)
             info = modes(url)
             names = [m["name"] for m in info["modes"] if m["status"] == "available"]
-            pss_start = info["memory"]["process_tree"]["pss_bytes"]
+            pss_loaded = info["memory"]["process_tree"]["pss_bytes"]
             load = Load(url, args.clients, args.timeout, names)
             for t in load.threads:
                 t.start()
+            time.sleep(args.baseline_minutes * 60)
+            pss_start = modes(url)["memory"]["process_tree"]["pss_bytes"]  # served for a while: the kills' start
             began, kills, reloaded = time.time(), [], False
             while time.time() - began < args.minutes * 60:
                 time.sleep(min(args.kill_every, max(1.0, args.minutes * 60 - (time.time() - began))))
@@ -158,7 +164,9 @@ def main() -> int:
         hit = [r for r in records if r["start"] <= kill["killed"] <= r["end"] and r.get("mode") in kill["modes"]]
         kill["running_on_it"] = {o: sum(r["outcome"] == o for r in hit) for o in sorted({r["outcome"] for r in hit})}
     windows = [(k["killed"], k["killed"] + k.get("back_s", 600)) for k in kills]
-    ok = [r for r in records if r["outcome"] == "ok" and r["kind"] == "plain"]
+    plain = [r for r in records if r["outcome"] == "ok" and r["kind"] == "plain"]
+    baseline = [r["end"] - r["start"] for r in plain if r["end"] < began]
+    ok = [r for r in plain if r["start"] >= began]
     outside = [r["end"] - r["start"] for r in ok if not any(r["end"] >= a and r["start"] <= b for a, b in windows)]
     inside = [r["end"] - r["start"] for r in ok if any(r["end"] >= a and r["start"] <= b for a, b in windows)]
     outcomes = {o: sum(r["outcome"] == o for r in records) for o in sorted({r["outcome"] for r in records})}
@@ -168,8 +176,11 @@ def main() -> int:
         "bad_requests_answered_400": sum(r["kind"] == "bad" and r.get("status") == 400 for r in records),
         "bad_requests": sum(r["kind"] == "bad" for r in records),
         "dropped_streams": sum(r["kind"] == "dropped" for r in records),
-        "pss_start_gb": round(pss_start / 1e9, 2), "pss_end_gb": round(pss_end / 1e9, 2),
+        "pss_loaded_gb": round(pss_loaded / 1e9, 2), "pss_start_gb": round(pss_start / 1e9, 2), "pss_end_gb": round(pss_end / 1e9, 2),
+        "p50_plain_baseline_s": round(statistics.median(baseline), 3) if baseline else None,
         "p50_plain_outside_kill_windows_s": round(statistics.median(outside), 3) if outside else None,
+        "outside_over_baseline": round(statistics.median(outside) / statistics.median(baseline), 2)
+        if outside and baseline else None,
         "p50_plain_inside_kill_windows_s": round(statistics.median(inside), 3) if inside else None,
         "policy_reloaded": reloaded, "health_at_end": health["status"],
     }
@@ -180,7 +191,8 @@ def main() -> int:
     print(table)
     stem = save_results(args.out, "chaos_demo", args.tag,
                         {"processor": processor(), "args": vars(args), "summary": summary, "kills": kills},
-                        f"# Chaos ({processor()}, {args.minutes} min, a kill every {args.kill_every:.0f} s, "
+                        f"# Chaos ({processor()}, {args.baseline_minutes} min without kills, then {args.minutes} min "
+                        f"with a kill every {args.kill_every:.0f} s, "
                         f"{args.clients} clients)\n\n{table}\n")
     print(f"wrote {stem}.json/.md")
     return 0 if summary["stranded"] == 0 and summary["unexpected_5xx"] == 0 else 1
