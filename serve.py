@@ -2,7 +2,11 @@
 
 import sys
 
-from modeswitch.server import main
+from modeswitch.logs import quiet_libraries
+
+quiet_libraries()  # first, also in the engine processes vLLM spawns (they import this module before anything)
+
+from modeswitch.server import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

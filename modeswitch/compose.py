@@ -72,6 +72,8 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
         preset = dataclasses.replace(preset, w8a8=config.w8a8)
     registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
     later = registry.load(progress, policy.first_modes if config.load.staged else ())
+    if not later:
+        progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined)
     report = gate_report_path(config, registry.gate_key)

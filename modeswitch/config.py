@@ -117,6 +117,9 @@ class ServerConfig:
                                           "from (repeatable; always allowed: the --policy and --gate-report "
                                           "directories and the shipped ones)", flag="--admin-dir", action="append",
                                           type=Path)
+    log_level: str = option("info", "what ModeSwitch itself logs", choices=("debug", "info", "warning", "error"))
+    verbose: bool = option(False, "log the engines' own INFO lines too (vLLM's config dumps and progress bars, "
+                           "torch's notices); otherwise they log warnings and errors only")
     load: LoadConfig = field(default_factory=LoadConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
 

@@ -22,7 +22,7 @@ from .config import LoadConfig
 from .device import device_type, free_memory, process_tree_memory
 from .energy import EnergyAccountant, meter_for
 from .engines.base import OPTIONS, Engine, GenRequest, SamplingParams
-from .memory import MemoryPlan
+from .memory import MemoryPlan, fmt
 from .models import Preset
 from .modes import ModeSpec
 from .precision import mismatch
@@ -272,8 +272,7 @@ class ModeRegistry:
             started = time.perf_counter()
             self._build_all(states, self.plan, progress)
             then()
-            progress(f"all modes loaded, {time.perf_counter() - started:.0f} s after the first served: "
-                     f"{', '.join(s.name for s in self.available())} available")
+            progress(f"all modes loaded, {time.perf_counter() - started:.0f} s after the first served:\n{self.table()}")
 
         thread = threading.Thread(target=run, name="load-rest", daemon=True)
         thread.start()
@@ -293,7 +292,7 @@ class ModeRegistry:
                 log.exception("mode %s could not be built", state.name)
                 state.status, state.reason = "unavailable", f"failed to start: {exc}"
             else:
-                state.details = dict(built.details)
+                state.details = built.details  # the backend may update it (vLLM: decode once compiled)
                 if why := mismatch(state.spec.weights, built.details.get("kernels")):
                     built.engine.close()  # never served under a name its kernels do not bear out
                     state.status, state.reason = "unavailable", why
@@ -383,6 +382,20 @@ class ModeRegistry:
                     d["memory"]["weights_bytes"] = measured[d["memory"]["weights_variant"]]
             out.append(d)
         return out
+
+    def table(self) -> str:
+        """Every mode on one line, for the start-up log: its engine, what it computes in and on, its planned
+        memory (weights and KV reservation; shared with the modes on the same engine or weights), its status."""
+        rows = [("mode", "engine", "compute", "weights", "planned", "status")]
+        for card in self.describe():
+            kernels, memory = card.get("kernels") or {}, card.get("memory") or {}
+            planned = memory.get("weights_bytes", 0) + memory.get("kv_bytes", 0)
+            status = card["status"] + (f": {card['reason'][:80]}" if card.get("reason") else "")
+            rows.append((card["name"], kernels.get("engine", card.get("engine", "")), kernels.get("compute", ""),
+                         kernels.get("weights", ""), fmt(planned) if planned else "", status))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        return "\n".join("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
+                         for row in rows)
 
     def engines(self) -> dict[str, Any]:
         """The backend's own state (vLLM: per engine its modes, start time, resident memory, steps)."""

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 
+from . import logs
 from .compose import build_app
 from .config import ServerConfig, add_server_flags, read_server_flags
 from .memory import MemoryBudgetExceeded
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     ``--engine`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(config.log_level, config.verbose)
     started = time.perf_counter()
     try:
         listener = claim_port(config.http.host, config.http.port)

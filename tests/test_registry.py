@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from modeswitch.backends.base import BuiltMode, ModelInfo
+from modeswitch.backends.starts import StartHistory
 from modeswitch.config import LoadConfig
 from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
 from modeswitch.memory import Footprint, MemoryBudgetExceeded, MemoryPlan
@@ -190,3 +191,23 @@ def test_a_shared_kv_pool_holds_its_largest_reservation_and_runtimes_count_once(
     plan.budget = 5 * GIB
     with pytest.raises(MemoryBudgetExceeded, match="need 6.00 GiB but the memory budget is 5.00 GiB"):
         plan.check()
+
+
+def test_the_start_up_table_lists_every_mode_with_its_engine_memory_and_status():
+    reg = registry(_Backend(missing={"gptq"}, broken={"int8"}, failing={"broken_warm_up"}))
+    rows = {line.split()[0]: line for line in reg.table().splitlines()[1:]}
+    assert set(rows) == {m.name for m in MODES}
+    assert rows["fp16"].rstrip().endswith("available") and "GiB" in rows["fp16"]
+    assert rows["gptq"].rstrip().endswith("unavailable: no gptq checkpoint here")
+    assert "unavailable: failed to start: engine would not start" in rows["int8"]
+
+
+def test_start_history_keeps_each_engines_last_start_across_servers(tmp_path):
+    path = tmp_path / "starts.json"
+    first = StartHistory(path)
+    assert first.last("demo:fp16:compiled") is None
+    first.record("demo:fp16:compiled", 61.26)
+    first.record("demo:gptq:compiled", 80)
+    assert StartHistory(path).last("demo:fp16:compiled") == 61.3  # what the next server reads
+    path.write_text("{not json")
+    assert StartHistory(path).last("demo:fp16:compiled") is None  # a courtesy: a bad file is an empty history

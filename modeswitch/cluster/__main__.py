@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+from .. import logs
 from ..memory import MemoryBudgetExceeded
 from ..models import WeightsNotFound
 from ..yamlconf import ConfigError
@@ -18,12 +19,12 @@ log = logging.getLogger("modeswitch.cluster")
 
 def main(argv: list[str] | None = None) -> int:
     args = cluster_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_cluster_args(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    logs.configure(config.server.log_level, config.server.verbose)
     import ray
     from ray import serve
 

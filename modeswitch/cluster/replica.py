@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from ray import serve
 from werkzeug.test import EnvironBuilder, run_wsgi_app
 
+from .. import logs
 from ..compose import build_app
 from ..config import ServerConfig
 from ..device import memory_headroom
@@ -108,7 +109,7 @@ class Replica:
 
     def __init__(self, config: ServerConfig, backend=None) -> None:
         name = serve.get_replica_context().replica_id.unique_id
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(config.log_level, config.verbose)
         self.core = ReplicaServer(config, name, backend=backend)
         log.info("replica %s ready", name)
 

@@ -44,6 +44,9 @@ def register() -> None:
     keep_worker_in_engine_process()
     bind_worker_threads()
     leave_with_parent()
+    from .. import logs
+
+    logs.quiet_libraries()
 
 
 def leave_with_parent() -> None:
