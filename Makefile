@@ -9,11 +9,10 @@ setup:
 serve: setup
 	$(PY) serve.py $(ARGS)
 
-# Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min once) and skip compiling the default
-# engines (the tests run vLLM eager) to keep CI fast.
+# Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min, once) before the servers they start need it.
 test: export MODESWITCH_GPTQ_SAMPLES ?= 16
-test: export MODESWITCH_WARM_ENGINES ?= 0
 test: setup
+	$(PY) -m modeswitch.models --prepare demo-gptq
 	$(PY) -m pytest -q tests
 
 bench: setup

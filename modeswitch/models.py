@@ -90,6 +90,50 @@ def demo_gguf_path() -> Path:
     return path
 
 
+#: the demo's checkpoints, built from its GGUF on first use: reference prefix -> what ``--prepare`` calls it
+DEMO_BUILDS = {"demo:": "demo", "demo-gptq:": "demo-gptq", "demo-w8a8:": "demo-w8a8"}
+
+
+def demo_dir(name: str, samples: int | None = None) -> Path:
+    """Where the demo checkpoint ``name`` (a ``--prepare`` name) is cached; the GPTQ one names its calibration
+    size, so a quick CI build and a full build never mix."""
+    base = cache_dir() / "demo" / "SmolLM2-135M-Instruct"
+    if name == "demo-gptq":
+        from .quantize import GROUP_SIZE, default_samples
+
+        return base.with_name(f"{base.name}-gptq-g{GROUP_SIZE}-n{samples or default_samples()}")
+    return base.with_name(base.name + "-w8a8") if name == "demo-w8a8" else base
+
+
+def demo_to_build(ref: str) -> str | None:
+    """The ``--prepare`` name of ``ref`` when it is a demo checkpoint not built yet (building takes seconds to
+    minutes: the caller decides where and when); None when it is built or not a demo checkpoint. Raises
+    :class:`WeightsNotFound` when it cannot be built here."""
+    name = next((n for prefix, n in DEMO_BUILDS.items() if ref.startswith(prefix)), None)
+    if name is None or (demo_dir(name) / "config.json").is_file():
+        return None
+    demo_gguf_path()
+    return name
+
+
+def prepare_in_subprocess(name: str, idle: bool = False) -> None:
+    """Build the demo checkpoint ``name`` in a child process (``python -m modeswitch.models --prepare``), under
+    ``SCHED_IDLE`` with ``idle`` (a server building it behind the requests it serves); raises
+    :class:`WeightsNotFound` with the child's output if the build fails."""
+    import subprocess
+    import sys
+
+    from .priority import lower
+
+    proc = subprocess.Popen([sys.executable, "-m", "modeswitch.models", "--prepare", name],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if idle:
+        lower(proc.pid)
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise WeightsNotFound(f"building the demo checkpoint {name} failed:\n{out[-2000:]}")
+
+
 def prepare_demo_checkpoint(target: Path | None = None) -> Path:
     """Convert the demo GGUF into a plain HF checkpoint once; later calls return the cached directory.
 
@@ -98,7 +142,7 @@ def prepare_demo_checkpoint(target: Path | None = None) -> Path:
     The directory is written under a temporary name and renamed, so an interrupted conversion never
     leaves a half-written checkpoint that later loads would trust.
     """
-    target = target or cache_dir() / "demo" / "SmolLM2-135M-Instruct"
+    target = target or demo_dir("demo")
     if (target / "config.json").is_file():
         return target
     gguf = demo_gguf_path()
@@ -124,20 +168,19 @@ def prepare_demo_gptq(samples: int | None = None, progress=print) -> Path:
 
     The cache directory names the calibration size, so a quick CI build and a full build never mix.
     """
-    from .quantize import GROUP_SIZE, build_gptq, default_samples
+    from .quantize import build_gptq
 
-    samples = samples or default_samples()
-    target = cache_dir() / "demo" / f"SmolLM2-135M-Instruct-gptq-g{GROUP_SIZE}-n{samples}"
+    target = demo_dir("demo-gptq", samples)
     if (target / "config.json").is_file():
         return target
-    return build_gptq(prepare_demo_checkpoint(), target, samples, progress=progress)
+    return build_gptq(prepare_demo_checkpoint(), target, int(target.name.rsplit("-n", 1)[1]), progress=progress)
 
 
 def prepare_demo_w8a8(progress=print) -> Path:
     """The demo model's W8A8 int8 checkpoint, built once from the converted checkpoint (see quantize.py)."""
     from .quantize import build_w8a8
 
-    target = cache_dir() / "demo" / "SmolLM2-135M-Instruct-w8a8"
+    target = demo_dir("demo-w8a8")
     if (target / "config.json").is_file():
         return target
     return build_w8a8(prepare_demo_checkpoint(), target, progress=progress)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .models import Preset, WeightsNotFound, local_or_hub
+from .models import Preset, WeightsNotFound, demo_to_build, local_or_hub
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,10 @@ class WeightStore:
         self._refs: dict[str, str] = {}
         self._failed: dict[str, str] = {}
 
-    def ref(self, variant: str) -> str:
-        """Where the variant's checkpoint is (resolving without loading); raises VariantUnavailable."""
+    def ref(self, variant: str, build: bool = True) -> str:
+        """Where the variant's checkpoint is (resolving without loading); raises VariantUnavailable. A demo
+        checkpoint not built yet is built now, unless ``build`` is False (planning): then its reference is
+        returned unresolved, as one that can be had."""
         if variant in self._failed:
             raise VariantUnavailable(self._failed[variant])
         if variant in self._refs:
@@ -124,6 +126,8 @@ class WeightStore:
             if source is None:
                 raise VariantUnavailable(f"model {self.preset.name} has no {variant} checkpoint"
                                          + (" (pass --gptq PATH_OR_ID)" if variant == "gptq" else ""))
+            if not build and demo_to_build(source):
+                return source
             ref = local_or_hub(source, f"{variant} weights of {self.preset.name}")
         except (VariantUnavailable, WeightsNotFound) as exc:
             self._failed[variant] = str(exc)

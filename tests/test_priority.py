@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from modeswitch.backends.starts import StartHistory
 from modeswitch.engines.vllm_plugin import engine_cpus
 from modeswitch.priority import SCHED_IDLE, BackgroundStarts, can_lower_and_restore
 
@@ -61,23 +63,33 @@ class SleeperRunner:
     records the policy its start ran under and the one its process got."""
 
     started: dict[str, tuple[int, int]] = {}
+    #: every start: (engine, compiled or not)
+    runs: list[tuple[str, bool]] = []
 
     def __init__(self, name: str, engine_args: dict) -> None:
         self.proc = sleeper()
         self.pids = [self.proc.pid]
         self.engine_args, self.max_num_seqs = engine_args, 4
         self.kernels: dict = {}  # a sleeper runs no linears
+        self.energy = self.cost = None
         self.cpus = engine_cpus(engine_args)  # what a real runner's worker is bound to
-        SleeperRunner.started[name] = os.sched_getscheduler(0), os.sched_getscheduler(self.proc.pid)
+        SleeperRunner.started.setdefault(name, (os.sched_getscheduler(0), os.sched_getscheduler(self.proc.pid)))
+        SleeperRunner.runs.append((name, not engine_args["enforce_eager"]))
+
+    def death(self) -> str | None:
+        return None if self.proc.poll() is None else "exited"
+
+    def idle(self) -> bool:
+        return True
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
 
 
-def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up(monkeypatch):
-    """The wiring in VllmBackend: the first engine starts at the normal policy (it will serve), the others under
-    SCHED_IDLE, each with its processes back at the normal policy once it is up."""
+def staged_backend(monkeypatch, history):
+    """The vLLM backend of a staged start of fp16 and speculative (two engines on every CPU), with sleepers for
+    engines and ``history`` for the start times it reads."""
     from modeswitch.backends import vllm
     from modeswitch.config import LoadConfig
     from modeswitch.memory import MemoryPlan
@@ -87,12 +99,23 @@ def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up
     monkeypatch.setattr(vllm, "VllmRunner", SleeperRunner)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the variables a start sets for its engines stay here
     SleeperRunner.started.clear()
+    SleeperRunner.runs.clear()
     backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(engine="vllm", device="cpu", staged=True))
+    backend._history = history
     backend.open(print)
-    specs = [m for m in load_modes() if m.name in ("fp16", "speculative")]  # two engines on every CPU
+    specs = [m for m in load_modes() if m.name in ("fp16", "speculative")]
     plan = MemoryPlan(budget=2**40, weights={})
     for spec in specs:
         plan.add(backend.footprint(spec))
+    return backend, specs, plan
+
+
+def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up(monkeypatch, tmp_path):
+    """The wiring in VllmBackend: the first engine starts at the normal policy (it will serve), the others under
+    SCHED_IDLE, each with its processes back at the normal policy once it is up."""
+    history = StartHistory(tmp_path / "starts.json")
+    history.record("demo:fp16:compiled", 60)  # compiled here before: it starts compiled at once
+    backend, specs, plan = staged_backend(monkeypatch, history)
     try:
         built = [backend.build(spec, plan, print) for spec in specs]
         assert SleeperRunner.started == {"fp16": (os.SCHED_OTHER, os.SCHED_OTHER),
@@ -101,5 +124,29 @@ def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up
         if len(os.sched_getaffinity(0)) > 1:  # each engine on its own CPUs, the first engine's first
             cpus = [mode.details["cpus"] for mode in built]
             assert cpus[0] != cpus[1] and cpus[0][0] == min(os.sched_getaffinity(0))
+        assert SleeperRunner.runs == [("fp16", True), ("fp16+ngram-draft", True)]
+    finally:
+        backend.close()
+
+
+def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(monkeypatch, tmp_path):
+    """Compiling the first engine would cost minutes before the first answer on a fresh machine: it starts
+    eager, and once every engine is up it is started again compiled, under SCHED_IDLE, its modes move onto it,
+    the eager one stops, and the next start compiles at once (Inductor's cache and the start history)."""
+    history = StartHistory(tmp_path / "starts.json")
+    backend, specs, plan = staged_backend(monkeypatch, history)
+    try:
+        fp16, _ = [backend.build(spec, plan, print) for spec in specs]
+        eager = fp16.engine.runner
+        deadline = time.monotonic() + 30
+        while fp16.engine.runner is eager and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert SleeperRunner.runs == [("fp16", False), ("fp16+ngram-draft", True), ("fp16", True)]
+        assert fp16.engine.runner is backend._runners["fp16"] and fp16.details["decode"] == "compiled"
+        deadline = time.monotonic() + 10
+        while eager.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eager.proc.poll() is not None  # its requests done, the eager engine is stopped
+        assert history.last("demo:fp16:compiled") is not None and history.last("demo:fp16:eager") is not None
     finally:
         backend.close()

