@@ -25,21 +25,31 @@ def configure(level: str = "info", verbose: bool = False) -> None:
     from now on at WARNING (INFO with ``verbose``)."""
     logging.basicConfig(level=level.upper(), format=FORMAT)
     logging.getLogger("modeswitch").setLevel(level.upper())
-    if not verbose:
-        os.environ.setdefault(LEVEL_ENV, "WARNING")
+    os.environ.setdefault(LEVEL_ENV, "INFO" if verbose else "WARNING")
     quiet_libraries()
 
 
 def quiet_libraries() -> None:
-    """Unless the engine libraries log at INFO or below (``LEVEL_ENV``): vLLM at WARNING, and three sources of
-    noise that say nothing about this server to ERROR: torchao's CUDA kernels it cannot load on a CPU, torch's
-    notices about torchao's pytree registrations, the deprecations vLLM's code triggers. Idempotent."""
-    if os.environ.get(LEVEL_ENV, "INFO").upper() not in ("WARNING", "ERROR", "CRITICAL"):
+    """Unless the engine libraries are to log at INFO or below (``LEVEL_ENV``, WARNING when unset): vLLM at
+    WARNING, and three sources of noise that say nothing about this server to ERROR: torchao's CUDA kernels it
+    cannot load on a CPU, torch's notices about torchao's pytree registrations, the deprecations vLLM's code
+    triggers. Idempotent."""
+    level = os.environ.get(LEVEL_ENV, "WARNING").upper()
+    if level not in ("WARNING", "ERROR", "CRITICAL"):
         return
-    logging.getLogger("vllm").setLevel(os.environ[LEVEL_ENV].upper())
+    logging.getLogger("vllm").setLevel(level)
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    # one line per tensor when a checkpoint's fp32 norms load into a bf16 engine (the W8A8 one): a cast
+    loader = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, _DtypeCasts) for f in loader.filters):
+        loader.addFilter(_DtypeCasts())
+
+
+class _DtypeCasts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Attempted to load weight")
 
 
 def libraries_verbose() -> bool:

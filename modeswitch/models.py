@@ -254,6 +254,9 @@ def probe_hub(ref: str, what: str) -> None:
 if __name__ == "__main__":
     import argparse
 
+    from .logs import quiet_libraries
+
+    quiet_libraries()
     parser = argparse.ArgumentParser(description="Prepare model checkpoints (the demo GGUF conversion).")
     parser.add_argument("--prepare", choices=["demo", "demo-gptq", "demo-w8a8"], required=True, action="append")
     args = parser.parse_args()

@@ -79,6 +79,17 @@ class SleeperRunner:
     def death(self) -> str | None:
         return None if self.proc.poll() is None else "exited"
 
+    wedged = False
+
+    def stalled(self, bound_s: float) -> str | None:
+        return f"no step finished in {bound_s + 1:.0f} s (wedged)" if self.wedged else None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def abandon(self, reason: str) -> None:
+        self.close()
+
     def idle(self) -> bool:
         return True
 
@@ -148,5 +159,27 @@ def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(mo
             time.sleep(0.1)
         assert eager.proc.poll() is not None  # its requests done, the eager engine is stopped
         assert history.last("demo:fp16:compiled") is not None and history.last("demo:fp16:eager") is not None
+    finally:
+        backend.close()
+
+
+def test_a_wedged_engine_is_killed_and_started_again(monkeypatch, tmp_path):
+    """An engine whose step runs past --engine-stall-s counts as dead: its process is killed, its modes leave
+    the pool, and it is started again after the first back-off (the real engine's stall is a step that does not
+    return: benchmarks/chaos.py stops one with SIGSTOP)."""
+    history = StartHistory(tmp_path / "starts.json")
+    history.record("demo:fp16:compiled", 60)
+    backend, specs, plan = staged_backend(monkeypatch, history)
+    try:
+        fp16, _ = [backend.build(spec, plan, print) for spec in specs]
+        wedged = fp16.engine.runner
+        wedged.wedged = True
+        deadline = time.monotonic() + 30
+        while fp16.engine.runner is wedged and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert wedged.proc.poll() is not None  # killed
+        assert fp16.engine.runner is backend._runners["fp16"] is not wedged
+        assert (backend._deaths["fp16"], backend._restarts["fp16"]) == (1, 1)
+        assert (fp16.engine.counters["engine_deaths"], fp16.engine.counters["engine_restarts"]) == (1, 1)
     finally:
         backend.close()

@@ -63,6 +63,7 @@ class VllmBackend:
         self.compiled = load.decode != "eager"
         self.staged = load.staged
         self.yield_start_s = load.yield_start_s
+        self.stall_s = load.engine_stall_s
         self.device = str(self.checkpoint.device)
         self._specs: dict[str, ModeSpec] = {}
         self._runners: dict[str, VllmRunner] = {}
@@ -191,8 +192,9 @@ class VllmBackend:
         for key in keys:
             self._starting[key] = pool.submit(self._start_engine, key, plan, progress, self._background)
         pool.shutdown(wait=False)
-        threading.Thread(target=self._report_starting, args=(progress,), name="vllm-start-progress",
-                         daemon=True).start()
+        if not any(t.name == "vllm-start-progress" and t.is_alive() for t in threading.enumerate()):
+            threading.Thread(target=self._report_starting, args=(progress,), name="vllm-start-progress",
+                             daemon=True).start()
 
     def _history_key(self, key: str, eager: bool) -> str:
         return f"{self.checkpoint.preset.name}:{key}:{'eager' if eager else 'compiled'}"
@@ -332,11 +334,17 @@ class VllmBackend:
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
         """Find a dead engine within :data:`SUPERVISE_S`: one of its processes exited (killed, crashed, out of
-        memory). vLLM's own client then waits on the dead process for good, which left the requests on it
-        unanswered."""
+        memory); vLLM's own client then waits on the dead process for good, which left the requests on it
+        unanswered. And a wedged one: a step that has run past ``--engine-stall-s``; it is killed, and then
+        handled as a dead one."""
         while not self._closing.wait(SUPERVISE_S):
             for key, runner in list(self._runners.items()):
-                if key not in self._down and (why := runner.death()) is not None and self._runners.get(key) is runner:
+                if key in self._down or self._runners.get(key) is not runner:
+                    continue
+                why = runner.death()
+                if why is None and (why := runner.stalled(self.stall_s)) is not None:
+                    runner.kill()
+                if why is not None:
                     self._died(key, runner, f"vLLM engine {key} died: {why}")
 
     def _died(self, key: str, runner: VllmRunner, reason: str) -> None:

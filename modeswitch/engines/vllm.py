@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +189,8 @@ class VllmRunner:
         #: set when a request is added, so that an idle driver wakes without polling
         self._wake = threading.Event()
         self._live: dict[str, _Live] = {}
+        #: when the step under way began (None between steps): an engine whose step runs past a bound is wedged
+        self._step_since: float | None = None
         self._stopped = False
         #: what requests are answered with once the runner has stopped (its engine died, or the server stops)
         self._stop_reason = "server shutting down"
@@ -209,6 +212,22 @@ class VllmRunner:
                 pass
             return f"its process {pid} exited"
         return None
+
+    def stalled(self, bound_s: float) -> str | None:
+        """Why the engine counts as wedged (the step under way has run longer than ``bound_s``: a process stopped,
+        deadlocked or stuck in a call that never returns), or None. Cheap: the supervisor asks twice a second."""
+        since = self._step_since
+        if bound_s > 0 and since is not None and (elapsed := time.monotonic() - since) > bound_s:
+            return f"no step finished in {elapsed:.0f} s (wedged)"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL its processes (a wedged engine answers nothing else; a stopped process not even SIGTERM)."""
+        for pid in self.pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
 
     def abandon(self, reason: str) -> None:
         """The engine died: every request it holds is answered with ``reason`` now, new ones at once, and its
@@ -309,6 +328,7 @@ class VllmRunner:
             if not self._live:
                 continue
             token = self._begin_step()
+            self._step_since = time.monotonic()
             try:
                 outputs = self.llm.step()
             except Exception as exc:  # the engine itself failed: every running request gets the error
@@ -316,6 +336,7 @@ class VllmRunner:
                 self._fail_live(f"{exc.__class__.__name__}: {exc}")
                 continue
             finally:
+                self._step_since = None
                 if token is not None:
                     self.energy.end(token)
             self.stats.steps += 1
