@@ -51,6 +51,17 @@ CPU_ENGINE_RUNTIME_BYTES = 2**30
 log = logging.getLogger(__name__)
 
 
+def _launch(key: str, args: dict[str, Any], background: BackgroundStarts | None) -> VllmRunner:
+    """Start engine ``key``; under ``background`` its processes start under SCHED_IDLE and return to the normal
+    policy once it is up."""
+    if background is None:
+        return VllmRunner(key, args)
+    with background.lowered() as pids:
+        runner = VllmRunner(key, args)
+        pids += runner.pids
+    return runner
+
+
 class VllmBackend:
     name = gate_key = "vllm"
 
@@ -235,12 +246,7 @@ class VllmBackend:
         last = self._history.last(self._history_key(key, eager))
         progress(f"vLLM engine {key} starting for {', '.join(modes)}" +
                  (f" (its last start took {last:.0f} s)" if last else ""))
-        if background is None:
-            runner = VllmRunner(key, args)
-        else:
-            with background.lowered() as pids:
-                runner = VllmRunner(key, args)
-                pids += runner.pids
+        runner = _launch(key, args, background)
         self._start_s[key] = time.perf_counter() - started
         self._history.record(self._history_key(key, eager), self._start_s[key])
         lowered = " (started under SCHED_IDLE, behind the requests served)" if background and background.enabled else ""
@@ -308,12 +314,7 @@ class VllmBackend:
         started = time.perf_counter()
         args = {**old.engine_args, "enforce_eager": False}
         try:
-            if self._background is None:
-                new = VllmRunner(key, args)
-            else:
-                with self._background.lowered() as pids:
-                    new = VllmRunner(key, args)
-                    pids += new.pids
+            new = _launch(key, args, self._background)
         except Exception as exc:  # it keeps serving eager
             log.warning("vLLM engine %s: its compiled start failed (%s); it serves eager", key, exc)
             return
