@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 ARGS ?= --model demo
 
-.PHONY: setup serve test bench bench-controller
+.PHONY: setup serve test test-fast bench bench-controller
 setup:
 	bash scripts/setup.sh
 
@@ -12,8 +12,12 @@ serve: setup
 # Tests calibrate the demo GPTQ checkpoint on 16 windows (about 1 min, once) before the servers they start need it.
 test: export MODESWITCH_GPTQ_SAMPLES ?= 16
 test: setup
-	$(PY) -m modeswitch.models --prepare demo-gptq
+	$(PY) -m modeswitch.weights.presets --prepare demo-gptq
 	$(PY) -m pytest -q tests
+
+# The in-process layer alone (no model weights, no engines): about 40 s.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
 
 bench: setup
 	$(PY) benchmarks/modes.py --extra-modes

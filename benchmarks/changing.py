@@ -37,7 +37,7 @@ from modeswitch.bench.client import pct, send  # noqa: E402
 from modeswitch.bench.phases import phases  # noqa: E402
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
-from modeswitch.launcher import ROOT  # noqa: E402
+from modeswitch.serving.launcher import ROOT  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 #: vLLM's dynamic speculation: k by the batch size (inclusive ranges)
@@ -108,7 +108,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from modeswitch.models import local_or_hub, resolve_preset
+    from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     preset = resolve_preset(args.model)
     model_dir = local_or_hub(preset.fp16, "fp16 weights")

@@ -34,7 +34,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
-from modeswitch.launcher import ROOT, start_server, wait_loaded, wait_stopped  # noqa: E402
+from modeswitch.serving.launcher import ROOT, start_server, wait_loaded, wait_stopped  # noqa: E402
 
 PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming trick that",
            "Write a short poem about rivers.", "List three uses of a paperclip:"]
@@ -101,14 +101,14 @@ class Load:
 
 def kill_one(url: str, rng: random.Random) -> dict:
     """SIGKILL the engine core of one engine that is up; follow it until it is up again."""
-    engines = {k: e for k, e in modes(url)["vllm_engines"].items() if e["status"] == "up"}
+    engines = {k: e for k, e in modes(url)["engines"].items() if e["status"] == "up"}
     key = rng.choice(sorted(engines))
     before = engines[key]
     killed = time.time()
     os.kill(before["pids"][0], signal.SIGKILL)
     out = {"engine": key, "modes": before["modes"], "killed": killed}
     while time.time() - killed < 600:
-        now = modes(url)["vllm_engines"][key]
+        now = modes(url)["engines"][key]
         if "detected_s" not in out and now["deaths"] > before["deaths"]:
             out["detected_s"] = round(time.time() - killed, 2)
         if now["status"] == "up" and now["restarts"] > before["restarts"]:

@@ -31,7 +31,7 @@ from modeswitch.bench.report import save_results, summarize  # noqa: E402
 from modeswitch.bench.workloads import TextSource, prefix_reuse  # noqa: E402
 from modeswitch.cluster.app import ClusterConfig, application  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
-from modeswitch.launcher import free_port  # noqa: E402
+from modeswitch.serving.launcher import free_port  # noqa: E402
 from modeswitch.resources import POLICIES_DIR  # noqa: E402
 
 ROUTERS = ("round_robin", "prefix_affinity", "modeswitch")
@@ -57,7 +57,7 @@ def deploy(serve, args, router: str) -> float:
     # the paper table: its default is prefix_cache, which every --modes here is expected to include
     server = ServerConfig(model=args.model, modes=tuple(args.modes.split(",")), gate_report="none",
                           policy=POLICIES_DIR / "paper.yaml",
-                          load=LoadConfig(engine="transformers", staged=False), http=HttpConfig(drain_timeout=5))
+                          load=LoadConfig(backend="transformers", staged=False), http=HttpConfig(drain_timeout=5))
     t0 = time.perf_counter()
     serve.run(application(ClusterConfig(server=server, replicas=args.replicas, router=router,
                                         prefix_weight=float(weight or 4.0))),
@@ -99,7 +99,7 @@ def main() -> int:
     from ray import serve
     from transformers import AutoTokenizer
 
-    from modeswitch.models import local_or_hub, resolve_preset
+    from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     tokenizer = AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(args.model).fp16, "tokenizer"))
     slots = prefix_reuse(TextSource(tokenizer), args.requests, 0, args.prompt_tokens, args.max_tokens,

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modeswitch.bench import report
 from modeswitch.energy import open_meter
-from modeswitch.launcher import ROOT, start_server
+from modeswitch.serving.launcher import ROOT, start_server
 
 PROMPT = ("The Jargon File is a glossary and usage dictionary of slang used by computer programmers. "
           "It describes the hacker culture, its history and its folklore, ") * 6

@@ -1,6 +1,6 @@
 """The modes benchmark on both engines, one after the other in one run, and a side-by-side table.
 
-Runs ``benchmarks/modes.py`` with ``--engine transformers`` and then ``--engine vllm`` (same prompts, same
+Runs ``benchmarks/modes.py`` with ``--backend transformers`` and then ``--backend vllm`` (same prompts, same
 flags), then writes ``engines_<model>.{json,md}``: per mode TTFT, decode tokens/s and concurrent
 throughput on each engine with the vLLM/transformers ratio, and vLLM's start time and resident memory per
 engine.
@@ -45,7 +45,7 @@ def main() -> int:
         tag = f"engine-{engine}"
         if engine in rerun:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "modes.py"), *own, "--tag", tag,
-                            "--no-perplexity", "--no-decision-loop", "--", "--engine", engine, *server_extra],
+                            "--no-perplexity", "--no-decision-loop", "--", "--backend", engine, *server_extra],
                            check=True)
         results[engine] = json.loads((OUT / f"modes_{Path(model).name}_{tag}.json").read_text())
         if not results[engine]["date"].startswith(stamp):
@@ -74,7 +74,7 @@ def main() -> int:
                      f"{c1:.1f} / {c2:.1f} ({c2 / c1:.2f}x) |")
     lines += ["", "vLLM engines (modes, start time, resident memory of the engine-core process):", "",
               "| engine | modes | start s | RSS MiB |", "|---|---|---|---|"]
-    for key, e in (results["vllm"].get("vllm_engines") or {}).items():
+    for key, e in (results["vllm"].get("engines") or {}).items():
         lines.append(f"| {key} | {', '.join(e['modes'])} | {e['startup_s']} | {e['rss_bytes'] / 2**20:.0f} |")
     md = "\n".join(lines) + "\n"
     save_results(OUT, f"engines_{Path(model).name}", "", {"rows": rows, "runs": results}, md)

@@ -26,7 +26,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
-from modeswitch.launcher import ROOT, free_port  # noqa: E402
+from modeswitch.serving.launcher import ROOT, free_port  # noqa: E402
 
 
 def first_completion(url: str) -> dict | None:

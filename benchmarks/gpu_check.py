@@ -41,11 +41,11 @@ from make_random_llama import SHAPES  # noqa: E402
 from modeswitch.backends.checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE  # noqa: E402
 from modeswitch.energy import open_meter  # noqa: E402
 from modeswitch.engines.base import GenRequest, SamplingParams  # noqa: E402
-from modeswitch.engines.drafts import NgramDrafter  # noqa: E402
-from modeswitch.engines.hf import ContinuousBatchingEngine  # noqa: E402
-from modeswitch.engines.prefix_kv import PrefixKVStore  # noqa: E402
-from modeswitch.engines.static_loop import StaticLoopEngine  # noqa: E402
-from modeswitch.kernels import quantize_int4_rtn, quantize_int8_weight_only  # noqa: E402
+from modeswitch.engines.static.drafts import NgramDrafter  # noqa: E402
+from modeswitch.engines.transformers.engines import ContinuousBatchingEngine  # noqa: E402
+from modeswitch.engines.transformers.prefix_kv import PrefixKVStore  # noqa: E402
+from modeswitch.engines.static.loop import StaticLoopEngine  # noqa: E402
+from modeswitch.weights.kernels import quantize_int4_rtn, quantize_int8_weight_only  # noqa: E402
 
 #: per shape: prompt tokens, generated tokens, context (static cache), int4 group size
 RUN = {"llama-3.1-8b": dict(prompt=512, tokens=128, ctx=2048, group=128),
@@ -192,10 +192,10 @@ def step_times(engine: StaticLoopEngine, k: int, repeats: int) -> tuple[float, f
 def demo_acceptance(k: int) -> dict | None:
     """n-gram acceptance of the real demo model (greedy, eager loop on the CPU) on two workloads: continuing
     held-out prose, and quoting a passage back (the copy-heavy work prompt lookup is for)."""
-    from modeswitch.corpus import heldout_paragraphs
+    from modeswitch.weights.corpus import heldout_paragraphs
     from modeswitch.device import resolve_device_dtype
-    from modeswitch.models import PRESETS
-    from modeswitch.weights import VariantUnavailable, WeightStore, load_tokenizer
+    from modeswitch.weights.presets import PRESETS
+    from modeswitch.weights.store import VariantUnavailable, WeightStore, load_tokenizer
 
     device, dtype = resolve_device_dtype("cpu", "auto")
     store = WeightStore(PRESETS["demo"], device, dtype)

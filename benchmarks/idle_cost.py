@@ -5,7 +5,7 @@ then measures over ``--seconds`` the CPU time of the server process and each of 
 engine cores and workers) and their resident memory. Prints a table, writes JSON + markdown to
 benchmarks/results/.
 
-    .venv/bin/python benchmarks/idle_cost.py [--tag T] [-- serve.py flags, e.g. --engine vllm]
+    .venv/bin/python benchmarks/idle_cost.py [--tag T] [-- serve.py flags, e.g. --backend vllm]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import save_results  # noqa: E402
-from modeswitch.launcher import ROOT, start_server  # noqa: E402
+from modeswitch.serving.launcher import ROOT, start_server  # noqa: E402
 
 
 def tree(pid: int) -> list[psutil.Process]:

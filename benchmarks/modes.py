@@ -11,7 +11,7 @@ Starts ``serve.py`` (extra server flags after ``--``), then for every available 
   * greedy-token agreement with fp16 on the same prompts; speculative tokens per target step;
   * held-out perplexity per weights variant (--perplexity; loads the variants in this process);
   * the controller's decision time: server-side per request, and an in-process loop (--decision-loop).
-Prompts are held-out Jargon File prose (modeswitch.corpus). Writes JSON and markdown to
+Prompts are held-out Jargon File prose (modeswitch.weights.corpus). Writes JSON and markdown to
 benchmarks/results/. Machines are noisy: compare ratios within one run.
 
     python benchmarks/modes.py                                  # the demo model on this machine
@@ -37,10 +37,10 @@ from tqdm import tqdm
 
 from modeswitch.bench.client import pct, stream_completion
 from modeswitch.bench.report import save_results
-from modeswitch.corpus import heldout_paragraphs, token_windows
+from modeswitch.weights.corpus import heldout_paragraphs, token_windows
 from modeswitch.energy import open_meter
-from modeswitch.launcher import ROOT, start_server
-from modeswitch.quality import common_prefix
+from modeswitch.serving.launcher import ROOT, start_server
+from modeswitch.weights.quality import common_prefix
 
 
 def stream_once(url: str, prompt_ids: list[int], mode: str, max_tokens: int) -> dict:
@@ -96,9 +96,9 @@ class Energy:
 
 def perplexities(model_arg: str, variants: list[str]) -> dict[str, float]:
     from modeswitch.device import resolve_device_dtype
-    from modeswitch.models import resolve_preset
-    from modeswitch.quality import perplexity
-    from modeswitch.weights import WeightStore
+    from modeswitch.weights.presets import resolve_preset
+    from modeswitch.weights.quality import perplexity
+    from modeswitch.weights.store import WeightStore
     from transformers import AutoTokenizer
 
     device, dtype = resolve_device_dtype("auto", "auto")
@@ -210,7 +210,7 @@ def main() -> int:
         modes = sorted((m for m in info["modes"] if m["status"] == "available" and (measure is None or m["name"] in measure)),
                        key=lambda m: m["name"] != "fp16")
         unavailable = {m["name"]: m["reason"] for m in info["modes"] if m["status"] != "available"}
-        from modeswitch.models import local_or_hub, resolve_preset
+        from modeswitch.weights.presets import local_or_hub, resolve_preset
 
         tok = AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(args.model).fp16, "tokenizer"))
         windows = token_windows(tok, heldout_paragraphs(), args.repeats + max(args.concurrency), args.prompt_tokens)
@@ -226,7 +226,7 @@ def main() -> int:
             tqdm.write(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
         final = requests.get(url + "/v1/modes").json()
         memory = final["memory"]
-        engines = {"engine": final.get("engine"), "vllm_engines": final.get("vllm_engines"),
+        engines = {"backend": final.get("backend"), "engines": final.get("engines"),
                    "startup_seconds": final.get("startup_seconds")}
     finally:
         proc.terminate()

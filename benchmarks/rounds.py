@@ -8,7 +8,7 @@ cold) in R rounds, each round over every contender in an order rotated by one, e
 the ratio to the best static mode of that same round, so slow spells of the machine cancel out in the
 ratios. The quality gate is on (the shipped report), as in run.py.
 
-    python benchmarks/rounds.py --rounds 3 --concurrency 4 --requests 60 --tag avx2-conc4 -- --engine vllm
+    python benchmarks/rounds.py --rounds 3 --concurrency 4 --requests 60 --tag avx2-conc4 -- --backend vllm
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from run import PASSING, Bench, _tokenizer, learned_policy  # noqa: E402
 
 from modeswitch.bench import report  # noqa: E402
 from modeswitch.bench.workloads import TextSource, rotated_rounds  # noqa: E402
-from modeswitch.launcher import ROOT, start_server  # noqa: E402
+from modeswitch.serving.launcher import ROOT, start_server  # noqa: E402
 from modeswitch.resources import shipped_report  # noqa: E402
 
 

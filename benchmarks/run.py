@@ -41,7 +41,7 @@ from tqdm import tqdm
 from modeswitch.bench import report
 from modeswitch.bench.client import send
 from modeswitch.bench.workloads import REFERENCE, TextSource, arrivals, prefix_reuse, trace
-from modeswitch.launcher import ROOT, start_server
+from modeswitch.serving.launcher import ROOT, start_server
 from modeswitch.modes import load_modes
 from modeswitch.resources import shipped_report
 
@@ -225,7 +225,7 @@ def main() -> int:
 def _tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from modeswitch.models import local_or_hub, resolve_preset
+    from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     return AutoTokenizer.from_pretrained(local_or_hub(resolve_preset(model).fp16, "tokenizer"))
 

@@ -22,7 +22,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import save_results  # noqa: E402
-from modeswitch.launcher import ROOT, launch_server, wait_stopped  # noqa: E402
+from modeswitch.serving.launcher import ROOT, launch_server, wait_stopped  # noqa: E402
 
 PROMPT = "The Jargon File is a glossary of hacker slang. Write a long story about a hacker who " * 3
 VARIANTS = {"compete (--yield-start-s 0)": ["--yield-start-s", "0"], "yield (default)": []}

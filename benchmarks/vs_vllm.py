@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.bench.servers import CLI, REFERENCE_DTYPE, Server, cpu_seconds, vllm_row  # noqa: E402
 from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
-from modeswitch.launcher import ROOT  # noqa: E402
+from modeswitch.serving.launcher import ROOT  # noqa: E402
 
 WORKLOADS = {
     "random": ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32"],
@@ -49,8 +49,8 @@ WORKLOADS = {
 }
 DEFAULT_MODESWITCH = [
     "make serve default=",
-    "all modes on vLLM, paper policy=--engine vllm --policy policies/paper.yaml",
-    "vLLM, fp16 alone=--engine vllm --modes fp16 --policy policies/fp16.yaml",
+    "all modes on vLLM, paper policy=--backend vllm --policy policies/paper.yaml",
+    "vLLM, fp16 alone=--backend vllm --modes fp16 --policy policies/fp16.yaml",
 ]
 
 
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    from modeswitch.models import local_or_hub, resolve_preset
+    from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
     workloads = args.workloads.split(",")

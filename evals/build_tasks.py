@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from modeswitch.corpus import calibration_paragraphs, heldout_paragraphs  # noqa: E402
+from modeswitch.weights.corpus import calibration_paragraphs, heldout_paragraphs  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "tasks" / "data"
 WORD = re.compile(r"^[a-z]{3,}$")

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .admission import Admission
 from .backends.base import Backend, Progress
 from .config import NO_GATE, ServerConfig
 from .controller.decide import Controller
 from .controller.load import load_policy
-from .models import resolve_preset
 from .modes import ModeSpec, load_modes
-from .registry import ModeRegistry
 from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
-from .service import Service
+from .serving.admission import Admission
+from .serving.registry import ModeRegistry
+from .serving.service import Service
+from .weights.presets import resolve_preset
 from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
@@ -59,7 +59,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
                   policy=None, backend: Backend | None = None) -> Service:
     """Everything but HTTP; raises WeightsNotFound / ConfigError / MemoryBudgetExceeded with a clear message.
     ``specs`` and ``policy`` replace the configured modes and policy (the lm-eval adapter serves one mode
-    it was handed, pinned); ``backend`` replaces the engine family ``config.load.engine`` selects (tests)."""
+    it was handed, pinned); ``backend`` replaces the engine family ``config.load.backend`` selects (tests)."""
     if specs is None:
         specs, defined = mode_specs(config)
     else:

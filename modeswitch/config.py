@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .memory import parse_bytes
-from .models import PRESETS
+from .weights.presets import PRESETS
 
-ENGINES = ("transformers", "vllm", "auto")
+BACKENDS = ("transformers", "vllm", "auto")
 DECODE_PATHS = ("auto", "compiled", "eager")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: ``gate_report`` value that turns the quality gate off.
@@ -53,8 +53,8 @@ def _names(text: str) -> tuple[str, ...]:
 class LoadConfig:
     """How the modes are planned and loaded (read by the mode registry and its backends)."""
 
-    engine: str = option("auto", "auto (vLLM where it is installed, else transformers), vllm (vLLM engines, modes "
-                         "mapped onto the fewest), or transformers (in-process, portable)", choices=ENGINES)
+    backend: str = option("auto", "auto (vLLM where it is installed, else transformers), vllm (vLLM engines, modes "
+                         "mapped onto the fewest), or transformers (in-process, portable)", choices=BACKENDS)
     device: str = option("auto", "auto, cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "dtype of the reference weights (auto: the device's native 16-bit type: bf16 on GPUs "
                         "and CPUs that have it, fp16 on GPUs without bf16, fp32 on CPUs without native bf16)",
@@ -107,14 +107,14 @@ class ServerConfig:
     model: str = option("demo", f"preset ({', '.join(PRESETS)}) or any Llama-family causal LM as hub id or local path")
     gptq: str | None = option(None, "GPTQ checkpoint (hub id or path) overriding the preset's")
     w8a8: str | None = option(None, "W8A8 int8 checkpoint (compressed-tensors; hub id or path) overriding the preset's: "
-                              "INT8 on vLLM engines (python -m modeswitch.quantize w8a8 SRC OUT writes one)")
+                              "INT8 on vLLM engines (python -m modeswitch.weights.quantize w8a8 SRC OUT writes one)")
     modes_dirs: tuple[Path, ...] = option((), "directory of mode definitions (repeatable; default: the shipped modes/). "
                                           "modes/extra holds the speculative variants", flag="--modes-dir",
                                           action="append", type=Path)
     modes: tuple[str, ...] = option((), "comma-separated subset of modes to load (default: all)", parse=_names)
     policy: Path | None = option(None, "policy YAML (default: the shipped policies/batch-first.yaml)", parse=Path)
     gate_report: str | None = option(None, "quality gate report the router enforces (default: the shipped "
-                                     "evals/reports/<model>-<engine>.json if it exists; 'none' disables the gate; "
+                                     "evals/reports/<model>-<backend>.json if it exists; 'none' disables the gate; "
                                      "write one with python -m modeswitch.evals.gate)")
     admin_dirs: tuple[Path, ...] = option((), "a further directory POST /admin/policy and /admin/gate may load files "
                                           "from (repeatable; always allowed: the --policy and --gate-report "
@@ -133,7 +133,7 @@ def _flags(cls: type) -> list[dataclasses.Field]:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
     """One flag per :func:`option` field of ``cls``, in a group named after it; its default and help read from
-    the field. ``prefix`` keeps the parsed values of one section apart (``load.engine``)."""
+    the field. ``prefix`` keeps the parsed values of one section apart (``load.backend``)."""
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip())
     for f in _flags(cls):
         meta = f.metadata

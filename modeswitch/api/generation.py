@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 from flask import Response, jsonify, request, stream_with_context
 
-from ..admission import Refused
 from ..controller.decide import NoEligibleMode
 from ..engines.base import Constraint, SamplingParams, TokenLogprobs
 from ..engines.grammar import grammar
-from ..service import Generation, GenerationError
+from ..serving.admission import Refused
+from ..serving.service import Generation, GenerationError
 from .context import ctx
 from .errors import RETRY_AFTER_S, ApiError, no_eligible_mode
 from .schemas import parse

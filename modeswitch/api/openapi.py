@@ -136,7 +136,7 @@ class ModelList(_Open):
 class ModeCard(_Open):
     name: str
     status: Literal["available", "loading", "restarting", "unavailable", "quarantined"]
-    engine: str
+    backend: str = Field(description="the engine family serving the mode: transformers or vllm")
     reason: str
 
 
@@ -144,6 +144,8 @@ class ModeList(_Open):
     modes: list[ModeCard]
     policy: dict[str, Any]
     memory: dict[str, Any]
+    backend: str = Field(description="the engine family serving every mode")
+    engines: dict[str, Any] = Field(description="the running engines, by key: their modes, status and memory")
 
 
 class Health(_Open):

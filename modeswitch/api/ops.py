@@ -76,8 +76,8 @@ def modes():
     gate["holds_for"] = service.registry.gate_key  # the report name (evals/reports/<model>-<this>.json) it needs
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                     "quality_gate": gate, "memory": service.registry.memory(),
-                    "startup_seconds": service.registry.startup_seconds(), "engine": service.registry.engine_kind,
-                    "vllm_engines": service.registry.engines(), "speculation": service.speculation.describe()})
+                    "startup_seconds": service.registry.startup_seconds(), "backend": service.registry.backend_name,
+                    "engines": service.registry.engines(), "speculation": service.speculation.describe()})
 
 
 # ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)

@@ -60,11 +60,11 @@ class Backend(Protocol):
 
     def open(self, progress: Progress) -> ModelInfo:
         """Find the reference weights and read the model's shape, context and tokenizer, loading no weights.
-        Raises :class:`~modeswitch.models.WeightsNotFound` when nothing can be served."""
+        Raises :class:`~modeswitch.weights.presets.WeightsNotFound` when nothing can be served."""
 
     def footprint(self, spec: ModeSpec) -> Footprint:
         """What ``spec`` would keep resident, without loading anything. Raises
-        :class:`~modeswitch.weights.VariantUnavailable` when this mode cannot be served here (the registry
+        :class:`~modeswitch.weights.store.VariantUnavailable` when this mode cannot be served here (the registry
         lists it as unavailable with that reason). The backend may remember what it planned for :meth:`build`."""
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from ..config import LoadConfig
 from ..device import resolve_device_dtype
-from ..engines.grammar import Grammars
 from ..energy import HARDWARE, StepCost
+from ..engines.grammar import Grammars
 from ..memory import ModelShape
-from ..models import Preset, WeightsNotFound
 from ..modes import ModeSpec
-from ..weights import VariantUnavailable, WeightStore, load_config, load_tokenizer
+from ..weights.presets import Preset, WeightsNotFound
+from ..weights.store import VariantUnavailable, WeightStore, load_config, load_tokenizer
 from .base import ModelInfo
 
 # Continuous-batching KV sizing, always explicit: left to itself, transformers sizes the paged pool to 90 % of

@@ -2,7 +2,7 @@
 
 A mode's options become constructor arguments of the transformers workers. With compiled decode (``--decode
 auto`` on a GPU, ``--decode compiled`` anywhere) every one-at-a-time mode rides the owned static-cache loop
-(:mod:`modeswitch.engines.static_loop`: fp16, INT8 weight-only, GPTQ repacked for int4 tinygemm, prefix reuse,
+(:mod:`modeswitch.engines.static.loop`: fp16, INT8 weight-only, GPTQ repacked for int4 tinygemm, prefix reuse,
 speculative verify, all compiled) and continuous batching turns on transformers' CUDA graphs; otherwise (CPUs by
 default, where the small demo is overhead-bound and compiling costs minutes) modes run eager ``generate()``
 workers and the plain continuous-batching manager, as measured fastest there.
@@ -13,15 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import LoadConfig
-from ..engines.drafts import ModelDrafter, NgramDrafter
-from ..engines.hf import ContinuousBatchingEngine, GenerateEngine
-from ..engines.prefix_kv import PrefixKVStore
-from ..engines.static_decoder import StaticDecoder
-from ..engines.static_loop import StaticLoopEngine
+from ..engines.static.decoder import StaticDecoder
+from ..engines.static.drafts import ModelDrafter, NgramDrafter
+from ..engines.static.loop import StaticLoopEngine
+from ..engines.transformers.engines import ContinuousBatchingEngine, GenerateEngine
+from ..engines.transformers.prefix_kv import PrefixKVStore
 from ..memory import Footprint, MemoryPlan
-from ..models import Preset
 from ..modes import ModeSpec
-from ..precision import describe_torch_linear, first_linear
+from ..weights.precision import describe_torch_linear, first_linear
+from ..weights.presets import Preset
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
 
@@ -51,7 +51,7 @@ class TransformersBackend:
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
         model = self.weights.get(spec.weights, progress)
         kernels = describe_torch_linear(first_linear(model), model.dtype)
-        details: dict[str, Any] = {"kernels": {**kernels.card(), "engine": self.name}}
+        details: dict[str, Any] = {"kernels": {**kernels.card(), "engine": f"transformers:{spec.name}"}}
         loop = self.checkpoint.compiled_decode
         if spec.batching == "continuous":
             graphs = loop and self.checkpoint.device.type == "cuda"

@@ -1,7 +1,7 @@
 """The vLLM backend: modes mapped onto the fewest vLLM engines, each holding its own weights and KV.
 
 vLLM engines cannot share weights, so every distinct (weights, speculative config) gets one engine (a
-:class:`~modeswitch.engines.vllm.VllmRunner`) and the modes that differ only per request share it through
+:class:`~modeswitch.engines.vllm.engine.VllmRunner`) and the modes that differ only per request share it through
 their own fronts. This module decides what each engine runs: the checkpoint and quantization of a variant
 on this device, the draft, the dtype, the KV bytes and batch bound of the modes planned onto it.
 """
@@ -19,14 +19,14 @@ from typing import Any
 import psutil
 
 from ..config import LoadConfig
-from ..engines import vllm_plugin
-from ..engines.vllm import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
+from ..engines.vllm import plugin as vllm_plugin
+from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
-from ..models import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub, prepare_in_subprocess
 from ..modes import ModeSpec
-from ..precision import dtype_name
 from ..priority import BackgroundStarts
-from ..weights import VariantUnavailable
+from ..weights.precision import dtype_name
+from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub, prepare_in_subprocess
+from ..weights.store import VariantUnavailable
 from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import Checkpoint
 from .starts import StartHistory
@@ -125,7 +125,7 @@ class VllmBackend:
     def _source(self, spec: ModeSpec, build: bool = True) -> str:
         """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
         reference weights, the GPTQ checkpoint, or for INT8 the preset's W8A8 checkpoint (int8 weights and
-        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.quantize.build_w8a8``).
+        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.weights.quantize.build_w8a8``).
         ``build`` False: a demo checkpoint not built yet is returned unresolved (see ``WeightStore.ref``)."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
         cpu = self.checkpoint.device.type == "cpu"
@@ -137,7 +137,7 @@ class VllmBackend:
         if spec.weights == "int8":
             if not preset.w8a8:
                 raise VariantUnavailable(f"model {preset.name} has no W8A8 int8 checkpoint for vLLM (a preset's w8a8; "
-                                         "modeswitch.quantize.build_w8a8 writes one from the reference weights)")
+                                         "modeswitch.weights.quantize.build_w8a8 writes one from the reference weights)")
             if cpu and not has_cpu_kernel(INT8_CPU_KERNEL):
                 raise VariantUnavailable(f"vLLM's kernels for this CPU have no int8 matmul ({INT8_CPU_KERNEL})")
             try:

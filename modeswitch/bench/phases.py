@@ -17,7 +17,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from ..corpus import paragraphs
+from ..weights.corpus import paragraphs
 from .workloads import Slot, TextSource
 
 #: free-prose topics of the lulls

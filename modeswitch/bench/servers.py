@@ -15,8 +15,8 @@ import psutil
 import requests
 
 from ..device import resolve_device_dtype
-from ..launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped
-from ..precision import dtype_name
+from ..serving.launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped
+from ..weights.precision import dtype_name
 
 CLI = str(ROOT / "benchmarks" / "vllm_cli.py")
 #: the dtype ModeSwitch's reference weights run in on this CPU (modeswitch.device), and vLLM's server with them

@@ -1,5 +1,5 @@
 """Workloads: the reference design's six request shapes, a mixed trace of them, prefix-reuse sweeps, and
-arrival patterns. Prompts are token windows of real English prose (modeswitch.corpus), never random ids.
+arrival patterns. Prompts are token windows of real English prose (modeswitch.weights.corpus), never random ids.
 
 Each run draws its prompts from its own stretch of text (``run`` selects it), so one run's prompts never
 start where another run's did: a prefix cache filled by an earlier run cannot flatter a later one. Within
@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from ..corpus import paragraphs
+from ..weights.corpus import paragraphs
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import threading
 
 from .. import logs
 from ..memory import MemoryBudgetExceeded
-from ..models import WeightsNotFound
+from ..weights.presets import WeightsNotFound
 from ..yamlconf import ConfigError
 from .app import application, cluster_parser, config_from_cluster_args
 

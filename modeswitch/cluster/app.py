@@ -1,7 +1,7 @@
 """The cluster's composition: flags -> a Ray Serve application (ingress + N ModeSwitch replicas).
 
 Used by ``python -m modeswitch.cluster`` and, as an application builder, by Ray's own CLI:
-``serve run modeswitch.cluster.app:build model=demo replicas=2 engine=transformers`` (every key is a flag of
+``serve run modeswitch.cluster.app:build model=demo replicas=2 backend=transformers`` (every key is a flag of
 ``python -m modeswitch.cluster`` without its dashes; ``serve build`` writes the matching config file for
 ``serve deploy``).
 """

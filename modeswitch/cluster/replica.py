@@ -23,7 +23,7 @@ from .. import logs
 from ..compose import build_app
 from ..config import ServerConfig
 from ..device import memory_headroom
-from ..occupancy import occupancy
+from ..serving.occupancy import occupancy
 from .prefixes import PrefixLog
 from .wire import TOKEN_IDS, Answer, Forwarded
 

@@ -2,7 +2,7 @@
 
 An engine worker owns a queue of :class:`GenRequest` and runs the model on its own thread(s); the HTTP
 request thread only submits and then reads :class:`Event` objects from the request's own queue. Text,
-stop strings and OpenAI formatting live above this layer (``modeswitch.service``), so engines deal in
+stop strings and OpenAI formatting live above this layer (``modeswitch.serving.service``), so engines deal in
 token ids only and share no formatting code.
 """
 

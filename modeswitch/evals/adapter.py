@@ -1,6 +1,6 @@
 """lm-eval model ``modeswitch``: any mode of the registry as an lm-eval LM, scored on the engine that serves it.
 
-    lm_eval --model modeswitch --model_args model=demo,mode=gptq,engine=vllm --tasks jargon_cloze \
+    lm_eval --model modeswitch --model_args model=demo,mode=gptq,backend=vllm --tasks jargon_cloze \
         --include_path evals/tasks
 
 Everything goes through the server's own engines, as a request would: loglikelihoods are prompt-scoring
@@ -48,10 +48,10 @@ class ModeSwitchLM(TemplateLM):
     backend = "causal"
 
     def __init__(self, model: str = "demo", mode: str = "fp16", max_length: int = 2048, batch_size: int = 1,
-                 device: str = "auto", gptq: str | None = None, engine: str = "transformers",
+                 device: str = "auto", gptq: str | None = None, backend: str = "transformers",
                  spec: ModeSpec | None = None, dtype: str = "auto", **kwargs) -> None:
         """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own);
-        ``engine`` is the engine family and ``dtype`` the reference dtype, as ``serve.py`` takes them."""
+        ``backend`` is the engine family and ``dtype`` the reference dtype, as ``serve.py`` takes them."""
         super().__init__()
         if spec is None:
             specs = {m.name: m for m in all_shipped_modes()}
@@ -65,12 +65,12 @@ class ModeSwitchLM(TemplateLM):
         specs = [spec] if scorer is spec else [spec, scorer]
         # +2: a scored sequence of max_length + 1 tokens (as lm-eval's hf model truncates) plus one generated
         config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
-                              load=LoadConfig(engine=engine, device=device, dtype=dtype, max_model_len=max_length + 2,
+                              load=LoadConfig(backend=backend, device=device, dtype=dtype, max_model_len=max_length + 2,
                                               staged=False))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())
         self.service = build_service(config, progress=lambda s: None, specs=specs, policy=policy)
         self.registry = self.service.registry
-        self.engine = self.registry.gate_key  # what the scores hold for
+        self.backend = self.registry.gate_key  # what the scores hold for
         #: what the mode's linears run (its /v1/modes card): the report records the kernels each row was scored on
         self.kernels = self.registry.modes[mode].details.get("kernels")
         for name in {mode, scorer.name}:

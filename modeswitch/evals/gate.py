@@ -1,9 +1,9 @@
 """The quality gate: every mode scored with lm-eval, compared with fp16, written as a report the router enforces.
 
-    python -m modeswitch.evals.gate --model demo [--engine auto|vllm|transformers] [--limit 200]
+    python -m modeswitch.evals.gate --model demo [--backend auto|vllm|transformers] [--limit 200]
         [--tasks jargon_cloze,jargon_ppl,jargon_copy] [--policy policies/NAME.yaml] [--dtype float32]
 
-Every mode is scored on the engine family that serves it (``--engine``, resolved as ``serve.py`` resolves it):
+Every mode is scored on the engine family that serves it (``--backend``, resolved as ``serve.py`` resolves it):
 a quantization is judged as that engine runs it (vLLM's int8 weight-only kernels are not bitsandbytes'
 LLM.int8), so a report is written per model and engine and the server enforces the one for its engine.
 Scoring tasks (multiple_choice, loglikelihood, loglikelihood_rolling) depend only on a mode's weights, so
@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import DTYPES, ENGINES
+from ..config import BACKENDS, DTYPES
 from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
@@ -65,7 +65,7 @@ def mark(report: dict) -> None:
 
 
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
-             gptq: str | None = None, engine: str = "transformers", dtype: str = "auto", progress=print) -> dict:
+             gptq: str | None = None, backend: str = "transformers", dtype: str = "auto", progress=print) -> dict:
     from .adapter import ModeSwitchLM
 
     kinds = task_kinds(tasks)
@@ -80,12 +80,12 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     for spec in load_modes(*modes_dirs):
         t0 = time.perf_counter()
         try:
-            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, engine=engine, dtype=dtype)
+            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, backend=backend, dtype=dtype)
         except RuntimeError as exc:
             unavailable[spec.name] = str(exc)
             progress(f"gate: {spec.name}: unavailable ({exc})")
             continue
-        served_by, kernels[spec.name] = lm.engine, lm.kernels
+        served_by, kernels[spec.name] = lm.backend, lm.kernels
         try:
             if scoring and spec.weights not in by_weights:
                 by_weights[spec.weights] = evaluate(lm, scoring, limit)["results"]
@@ -105,7 +105,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     import torch
     import transformers
 
-    report = {"model": model, "engine": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
+    report = {"model": model, "backend": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
               "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "kernels": kernels,
               "unavailable": unavailable,
               "seconds": round(time.perf_counter() - started, 1),
@@ -124,8 +124,8 @@ def render(report: dict) -> str:
     the ``general`` task family under the report's tolerances."""
     tasks = list(report["tasks"])
     verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
-    engine = f" on {report['engine']}" if report.get("engine") else ""  # reports before per-engine scoring: none
-    lines = [f"# Quality gate: {report['model']}{engine} ({report['date']})", "",
+    backend = f" on {report['backend']}" if report.get("backend") else ""
+    lines = [f"# Quality gate: {report['model']}{backend} ({report['date']})", "",
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s.", "",
@@ -154,7 +154,7 @@ def linears(card: dict | None) -> str:
 
 def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = shipped_report(report["model"], report["engine"], out_dir)
+    path = shipped_report(report["model"], report["backend"], out_dir)
     path.write_text(json.dumps(report, indent=2))
     path.with_suffix(".md").write_text(render(report))
     return path
@@ -163,8 +163,8 @@ def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m modeswitch.evals.gate", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--engine", default="auto", choices=ENGINES,
-                    help="the engine family to score on, as serve.py --engine (default auto: vLLM where installed)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="the engine family to score on, as serve.py --backend (default auto: vLLM where installed)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     ap.add_argument("--modes-dir", action="append", default=None)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy:
         quality = load_policy(args.policy, [m.name for m in load_modes(*modes_dirs)]).quality
     report = run_gate(args.model, modes_dirs, tuple(t for t in args.tasks.split(",") if t), args.limit, quality,
-                      gptq=args.gptq, engine=args.engine, dtype=args.dtype)
+                      gptq=args.gptq, backend=args.backend, dtype=args.dtype)
     path = write(report, Path(args.out))
     print(render(report))
     print(f"report: {path}")

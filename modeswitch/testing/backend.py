@@ -13,7 +13,7 @@ from typing import Any, Collection, Mapping
 from ..backends.base import BuiltMode, ModelInfo, Progress
 from ..memory import Footprint, MemoryPlan
 from ..modes import ModeSpec
-from ..weights import VariantUnavailable
+from ..weights.store import VariantUnavailable
 from .engine import FakeEngine, Script
 from .tokenizer import ByteTokenizer
 
@@ -33,7 +33,7 @@ class FakeBackend:
         """``scripts``: how each mode behaves (others follow ``default``: instant); ``unavailable``: modes that
         cannot be served here, with the reason the registry shows; ``held``: modes whose build waits until
         :attr:`release` is set (an engine still starting); ``kernels``: the linear-kernel card a mode's engine
-        reports (:class:`~modeswitch.precision.LinearKernels`; others report none)."""
+        reports (:class:`~modeswitch.weights.precision.LinearKernels`; others report none)."""
         self.held, self.release = frozenset(held), threading.Event()
         self.scripts = dict(scripts or {})
         self.default = default

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines.base import OPTIONS, Engine, GenRequest, TokenLogprobs
+from ..engines.radix import RadixTree
 from ..modes import ModeSpec
-from ..radix import RadixTree
 
 
 @dataclass(frozen=True)

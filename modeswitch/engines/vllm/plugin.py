@@ -1,0 +1,168 @@
+"""What the vLLM engines ModeSwitch starts load in each of their processes: a vLLM ``general_plugins`` entry
+point (declared in pyproject.toml), which vLLM loads in its engine-core and worker processes before they set up
+torch.distributed.
+
+It runs an engine's worker inside the engine-core process, bound to the CPUs ModeSwitch chose for that engine
+(``ONE_PROCESS_KEY`` and ``CPUS_KEY`` in the engine's ``additional_config``). vLLM's CPU platform always runs
+a worker process beside the engine core (its "mp" executor, so that OpenMP can be set up from the environment
+before the worker imports torch); that second process costs ~0.6 GB (another copy of vLLM, torch and their
+Python heap) per engine: 3 GB of the 12 GB the 5 demo engines held. One process per engine ("uni", vLLM's
+executor for a single GPU) with the computing thread bound and torch's thread count set from the engine's CPUs
+served 4 concurrent 64-token streams in 2.5 s where the two processes took 3.0 s (demo model, bf16, 2 cores).
+
+It also gives all of a process's gloo groups one gloo device. vLLM's CPU worker sets up 13 torch.distributed gloo
+groups even for a single process, and torch gives each group a TCP device of its own, whose event-loop thread
+(``gloo_tcp_loop``) wakes every 10 ms: 1.6 % of a core per idle engine, all the CPU an idle resident mode
+costs, and 6-7 % for the four engines of the 8 modes. Gloo keeps its connections per group (context), not per
+device, so one device serves every group, with one loop thread. torch's ``new_group`` ignores gloo options, so
+the only place to pass the device is the ``ProcessGroupGloo`` that ``torch.distributed`` constructs.
+
+Only in engines ModeSwitch starts (``VllmBackend`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
+group): vLLM's own server, started from the same environment for the comparisons, stays as shipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Set to "1" in the environment of the engines that share one gloo device.
+ENV = "MODESWITCH_ONE_GLOO_DEVICE"
+#: the key of ``additional_config`` that names the CPUs an engine's worker computes on ("0,1": vLLM's list form)
+CPUS_KEY = "modeswitch_cpus"
+#: the key of ``additional_config`` that keeps an engine's worker in its engine-core process
+ONE_PROCESS_KEY = "modeswitch_one_process"
+#: the pid of the ModeSwitch server whose engines these processes are (``VllmBackend`` sets it)
+SERVER_ENV = "MODESWITCH_SERVER_PID"
+#: how often an engine process checks that its parent is still there
+PARENT_POLL_S = 1.0
+
+
+def register() -> None:
+    """The entry point vLLM calls, possibly more than once a process."""
+    if os.environ.get(ENV) == "1":
+        share_gloo_device()
+    keep_worker_in_engine_process()
+    bind_worker_threads()
+    leave_with_parent()
+    from ... import logs
+
+    logs.quiet_libraries()
+
+
+def leave_with_parent() -> None:
+    """In an engine process of a ModeSwitch server (not the server itself): exit once its parent is gone. An
+    engine-core process whose server was killed (SIGKILL: nothing stops its engines) would otherwise keep its
+    memory and CPUs for good, and a worker whose engine core died likewise. A thread polls the parent pid: the
+    kernel's parent-death signal would fire when the *thread* that started the engine ends, and a staged start
+    starts engines from threads that end. Idempotent."""
+    import threading
+
+    server = os.environ.get(SERVER_ENV)
+    if not server or str(os.getpid()) == server or any(t.name == "modeswitch-parent-watch"
+                                                       for t in threading.enumerate()):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # no clean-up to wait for: what it held goes with the process
+
+    threading.Thread(target=watch, name="modeswitch-parent-watch", daemon=True).start()
+
+
+def engine_config(cpus: list[int]) -> dict[str, str]:
+    """The ``additional_config`` of an engine ModeSwitch starts: its worker in its engine-core process, computing
+    on ``cpus`` (empty: as torch sets itself up)."""
+    return {ONE_PROCESS_KEY: "1", CPUS_KEY: ",".join(map(str, cpus))}
+
+
+def _named_cpus(additional_config: dict | None) -> list[int]:
+    listed = (additional_config or {}).get(CPUS_KEY, "")
+    return [int(c) for c in listed.split(",") if c]
+
+
+def engine_cpus(engine_args: dict) -> list[int]:
+    """The CPUs ``engine_args`` bind the engine's worker to (empty: vLLM's own binding)."""
+    return _named_cpus(engine_args.get("additional_config"))
+
+
+def _one_process(vllm_config) -> bool:
+    return (getattr(vllm_config, "additional_config", None) or {}).get(ONE_PROCESS_KEY) == "1"
+
+
+def keep_worker_in_engine_process() -> None:
+    """Undo the CPU platform's switch from the single-process executor to worker processes, for engines whose
+    config asks for one process (vLLM's own server is left as shipped). Idempotent."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config
+    if getattr(check, "keeps_one_process", False):
+        return
+    original = check.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original(cls, vllm_config)
+        parallel = vllm_config.parallel_config
+        if _one_process(vllm_config) and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+    check_and_update_config.keeps_one_process = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def bind_worker_threads() -> None:
+    """Where a CPU worker runs in its engine-core process: bind the thread that runs it (the engine core's main
+    thread; OpenMP's threads inherit it) to the engine's CPUs and use one torch thread per CPU, as vLLM's worker
+    processes are set up from the environment. Before vLLM's worker setup, which then forbids
+    ``torch.set_num_threads``. Idempotent."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    init = CPUWorker.init_device
+    if getattr(init, "binds_threads", False):
+        return
+
+    def init_device(self) -> None:
+        cpus = _named_cpus(getattr(self.vllm_config, "additional_config", None))
+        if _one_process(self.vllm_config) and cpus:
+            import torch
+
+            os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(len(cpus))
+        init(self)
+
+    init_device.binds_threads = True
+    CPUWorker.init_device = init_device
+
+
+def share_gloo_device() -> None:
+    """Make every gloo group ``torch.distributed`` creates from now on in this process use the same device(s):
+    the ones torch would create for a group (the default device, or one per interface in GLOO_SOCKET_IFNAME,
+    lazy or not as TORCH_GLOO_LAZY_INIT says), created once. Idempotent."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "shares_devices", False):
+        return
+    devices: list = []
+
+    class OneDeviceGloo(base):
+        """torch's gloo group, on the process's shared devices; its options otherwise as torch sets them."""
+
+        shares_devices = True
+
+        def __init__(self, store, rank, size, timeout=None):
+            if not devices:
+                interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+                devices.extend([base.create_device(interface=i) for i in interfaces]
+                               or [base.create_default_device()])
+            options = base._Options()
+            options._devices = devices
+            options._threads = 2 * len(devices)
+            if timeout is not None:
+                options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneDeviceGloo

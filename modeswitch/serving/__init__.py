@@ -1,0 +1,1 @@
+"""The request path between the HTTP layer and the engines: the service, the registry of resident modes, admission, metrics and occupancy; and the launcher that starts the server as a child process."""

@@ -1,0 +1,391 @@
+"""What a request goes through between HTTP and an engine: features, decision, submission, text.
+
+:class:`Service` is the only place that knows both the controller and the engines. It turns a tokenized
+prompt into a :class:`Generation`, which yields text deltas (incremental detokenization, stop strings)
+and ends with the finish reason, token counts, timings and the decision that chose the mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Iterator
+
+from ..controller.completed import Completed
+from ..controller.decide import Controller, NoEligibleMode
+from ..controller.features import Features
+from ..controller.speculation import REPLAY_K, SpeculationModel
+from ..controller.verdicts import Code
+from ..device import memory_headroom
+from ..engines.base import Event, GenRequest, QueueFull, SamplingParams, TokenLogprobs
+from .metrics import Metrics
+from .registry import ModeRegistry
+
+log = logging.getLogger(__name__)
+
+#: How long a request waits for its engine's next event before it is answered with an error.
+EVENT_TIMEOUT_S = 600.0
+
+
+class GenerationError(RuntimeError):
+    """The engine failed the request."""
+
+
+class TextAssembler:
+    """Incremental detokenization with stop strings.
+
+    Decoding the whole sequence each time keeps multi-byte characters and tokenizer spacing right; text
+    is held back while it ends in an incomplete character or could still be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids) -> str:
+        """Feed new tokens; return the text that is now final."""
+        self.ids.extend(token_ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.stop:
+            start = max(0, self.emitted - self.holdback)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                return self.flush()
+        safe = len(self.text) - self.holdback
+        while safe > self.emitted and self.text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.emitted:
+            return ""
+        delta = self.text[self.emitted:safe]
+        self.emitted = safe
+        return delta
+
+    def flush(self) -> str:
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta
+
+
+class Generation:
+    """One request: decided, submitted, and read back, with one retry on another mode if its mode fails.
+
+    A mode that fails a request (an ``error`` event, or refusing the submission) is quarantined by the
+    registry; if nothing has been sent to the client yet, the request is decided again without that mode
+    and resubmitted once. Call :meth:`prime` before committing to a response (it waits for the first
+    tokens, so the mode named in headers is the one that really serves), then iterate :meth:`deltas`.
+    """
+
+    MAX_ATTEMPTS = 2
+
+    def __init__(self, service: "Service", prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
+                 pinned: str | None, task: str = "general") -> None:
+        self.service = service
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.pinned = pinned
+        self.assembler = TextAssembler(service.tokenizer, stop)
+        self.attempts: list[str] = []
+        self.finish_reason = "length"
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.extra: dict[str, Any] = {}
+        self.started_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        #: set once the response streams its text: from then on a failed attempt cannot be retried unseen (a
+        #: response sent whole can be: its text is read to the end before anything is sent)
+        self.streamed = False
+        self.finished_at: float | None = None
+        self._pending: list[Event] = []
+        self._excluded: frozenset[str] = frozenset()
+        self._recorded = False
+        self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
+        self.request: GenRequest | None = None
+        self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
+        #: generated tokens' logprobs (when asked for), and how many :meth:`take_logprobs` has handed out
+        self.token_logprobs: list[TokenLogprobs] = []
+        self._logprobs_taken = 0
+        with service.routing:
+            t0 = time.perf_counter()
+            self.features = service.features(self.prompt_ids, params, task)
+            self.features_us = (time.perf_counter() - t0) * 1e6
+            self._submit()
+
+    # ------------------------------------------------------------------ decide and submit
+    def _submit(self) -> None:
+        """Decide and submit; a mode that refuses the submission is excluded and the decision retaken.
+        Raises :class:`NoEligibleMode` when nothing can take the request."""
+        registry = self.service.registry
+        while True:
+            decision = self.service.controller.decide(self.features, pinned=self.pinned, exclude=self._excluded)
+            req = GenRequest(prompt_ids=self.prompt_ids, params=self.params)
+            try:
+                registry.modes[decision.mode].engine.submit(req)
+            except Exception as exc:  # full since the decision, or the engine refused: try the next choice
+                full = isinstance(exc, QueueFull)
+                if not full:
+                    registry.modes[decision.mode].record_failure(f"submit: {exc}")
+                if self.pinned is not None:
+                    raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
+                                         Code.SATURATED if full else Code.QUARANTINED) from exc
+                self.attempts.append(f"{decision.mode}: {exc}")
+                self._excluded = self._excluded | {decision.mode}
+                continue
+            if self.request is not None:
+                self._spent_j += self.request.energy_j
+            self.decision, self.request = decision, req
+            self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)
+            return
+
+    def _fail(self, error: str) -> None:
+        """The current mode failed the request: quarantine it, and retry elsewhere if still allowed."""
+        state = self.service.registry.modes[self.mode]
+        state.record_failure(error)
+        self.attempts.append(f"{self.mode}: {error}")
+        if self.pinned is not None or self.streamed or len(self.attempts) >= self.MAX_ATTEMPTS:
+            self._record("error")
+            raise GenerationError(f"mode {self.mode} failed: {error}")
+        self._excluded = self._excluded | {self.mode}
+        self._restart_text()
+        try:
+            self._submit()
+        except NoEligibleMode as exc:
+            self._record("error")
+            raise GenerationError(f"mode {self.mode} failed ({error}) and no other mode can retry: {exc}") from None
+
+    def _restart_text(self) -> None:
+        """Forget what a failed attempt generated (nothing of it was sent): the retry's text replaces it."""
+        self.assembler = TextAssembler(self.service.tokenizer, self.assembler.stop)
+        self.completion_tokens = 0
+        self.first_token_at = None
+        self.token_logprobs, self._logprobs_taken = [], 0
+
+    def _record(self, outcome: str) -> None:
+        """Report the request once (ok, error, or cancelled by the client) to the controller's observers."""
+        if self._recorded:
+            return
+        self._recorded = True
+        end = self.finished_at or time.perf_counter()
+        ttft = tpot = None
+        n = self.completion_tokens
+        if self.first_token_at is not None:
+            ttft = self.first_token_at - self.started_at
+            tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
+        scoring = self.params.prompt_logprobs is not None
+        if outcome == "ok" and not scoring:
+            self.service.registry.modes[self.mode].record_energy(self.request.energy_j, n)
+        self.service.controller.observe(Completed(
+            mode=self.mode, features=self.features, outcome=outcome, ttft_s=ttft, tpot_s=tpot,
+            latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,
+            energy_j=self.energy_j, energy_source=self.service.registry.energy.source, retried=bool(self.attempts),
+            scoring=scoring, prompt_ids=tuple(self.prompt_ids), output_ids=tuple(self.assembler.ids),
+            target_steps=self.extra.get("speculative", {}).get("target_steps")))
+
+    def _next_event(self) -> Event:
+        if self._pending:
+            return self._pending.pop(0)
+        try:
+            return self.request.events.get(timeout=EVENT_TIMEOUT_S)
+        except queue.Empty:
+            return Event("error", info={"error": f"no output for {EVENT_TIMEOUT_S:.0f} s"})
+
+    def prime(self) -> None:
+        """Wait until the request produces its first tokens (or finishes), retrying on a failing mode."""
+        while True:
+            event = self._next_event()
+            if event.kind == "error":
+                self._fail(event.info.get("error", "unknown error"))
+                continue
+            self._pending.insert(0, event)
+            return
+
+    # ------------------------------------------------------------------ results
+    @property
+    def mode(self) -> str:
+        return self.decision.mode
+
+    @property
+    def energy_j(self) -> float:
+        """Energy attributed to this request so far (all attempts), in joules."""
+        return self._spent_j + self.request.energy_j
+
+    def energy(self) -> dict[str, Any]:
+        """The request's energy for ``usage`` and the ``modeswitch`` block; ``source`` says measured or estimated."""
+        out = {"energy_j": round(self.energy_j, 6), "energy_source": self.service.registry.energy.source}
+        if self.completion_tokens:
+            out["j_per_token"] = round(self.energy_j / self.completion_tokens, 6)
+        return out
+
+    def deltas(self) -> Iterator[str]:
+        """Text as it becomes final; raises :class:`GenerationError` if the request cannot be served."""
+        outcome = "cancelled"  # unless the loop below completes: the reader went away
+        try:
+            while True:
+                event = self._next_event()
+                if event.kind == "error":
+                    self._fail(event.info.get("error", "unknown error"))
+                    continue
+                if event.kind == "tokens":
+                    if self.first_token_at is None:
+                        self.first_token_at = time.perf_counter()
+                    self.completion_tokens += len(event.token_ids)
+                    self.token_logprobs += event.info.get("logprobs", ())
+                    delta = self.assembler.add(self._visible(event.token_ids))
+                    if delta:
+                        yield delta
+                    if self.assembler.stopped:
+                        self.finish_reason = "stop"
+                        self.request.cancel()
+                        self.service.registry.modes[self.mode].record_success()
+                        break
+                elif event.kind == "done":
+                    self.service.registry.modes[self.mode].record_success()
+                    self.cached_tokens = event.info.get("cached_tokens", 0)
+                    reason = event.info.get("finish_reason", "length")
+                    self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
+                    if "speculative" in event.info:
+                        self.extra["speculative"] = event.info["speculative"]
+                    self.logprobs = event.info.get("logprobs")
+                    tail = self.assembler.flush()
+                    if tail:
+                        yield tail
+                    break
+            outcome = "ok"
+        finally:
+            self._finish(outcome)
+
+    def _visible(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens whose text the answer shows: a ``stop_token_ids`` token ends the generation and, as vLLM
+        writes it, is not part of the text (an end-of-sequence token is a special token, never shown)."""
+        stops = self.params.stop_token_ids
+        if not stops:
+            return token_ids
+        cut = next((i for i, t in enumerate(token_ids) if t in stops), len(token_ids))
+        return token_ids[:cut]
+
+    @property
+    def text(self) -> str:
+        """The text generated so far (all of it once :meth:`deltas` has ended)."""
+        return self.assembler.text
+
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The generated tokens' logprobs that arrived since the last call (the text they make has been yielded,
+        or is held back by the detokenizer)."""
+        new = self.token_logprobs[self._logprobs_taken:]
+        self._logprobs_taken = len(self.token_logprobs)
+        return new
+
+    def _finish(self, outcome: str) -> None:
+        self.finished_at = time.perf_counter()
+        self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
+        self._record(outcome)
+
+    def close(self) -> None:
+        """Give up on a request that was not read to the end (another prompt of its response failed, or the
+        response was never sent): cancel it so the engine frees its slot, and count it as cancelled.
+        Nothing happens to a request already counted."""
+        if not self._recorded:
+            self._finish("cancelled")
+
+    def report(self) -> dict[str, Any]:
+        """The ``modeswitch`` block of a response."""
+        end = self.finished_at or time.perf_counter()
+        timings = {"total_s": round(end - self.started_at, 4)}
+        if self.first_token_at is not None:
+            timings["ttft_s"] = round(self.first_token_at - self.started_at, 4)
+            if self.completion_tokens > 1:
+                timings["decode_tok_s"] = round((self.completion_tokens - 1) / max(end - self.first_token_at, 1e-9), 2)
+        out = {
+            "mode": self.mode,
+            "reason": self.decision.reason,
+            "policy": self.decision.policy,
+            "features": self.features.as_dict(),
+            "decision_us": round(self.decision.decision_us, 1),
+            "features_us": round(self.features_us, 1),
+            **({"prediction": dict(self.decision.prediction)} if self.decision.prediction else {}),
+            "timings": timings,
+            "cached_tokens": self.cached_tokens,
+            "energy": self.energy(),
+            **self.extra,
+        }
+        if self.attempts:
+            out["attempts"] = self.attempts
+        return out
+
+
+class Service:
+    def __init__(self, registry: ModeRegistry, controller: Controller, model_name: str) -> None:
+        self.registry = registry
+        self.controller = controller
+        self.model_name = model_name
+        self.tokenizer = registry.tokenizer
+        self.metrics = Metrics(registry, model_name)
+        #: held from a request's features to its submission, so that the next request's features see it: in
+        #: flight (queue depth) and, on an engine that records a prompt's prefix when it is added (vLLM's
+        #: shadow), as a prefix match. Without it a burst of requests sharing a new prefix all read "no
+        #: match" and skip the cache (3-4 of every 17 in vLLM's prefix_repetition client at 4 concurrent).
+        #: Held for microseconds: submitting never waits on generation.
+        self.routing = threading.Lock()
+        controller.add_observer(self.metrics.finished)
+        #: what drafting would do for a request (its features), learned from every completed one
+        self.speculation = SpeculationModel()
+        controller.add_observer(self.speculation.observe)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Tell the controller and the speculation model how the resident modes share batches, as they stand now
+        (again once the modes of a staged start have come up)."""
+        self.controller.rebind()
+        modes = [m for m in self.registry.modes.values() if m.available]
+        pairs, k = {}, []
+        for m in modes:
+            if not m.speculative:
+                continue
+            plain = sorted((p for p in modes if p.spec.weights == m.spec.weights and not p.speculative),
+                           key=lambda p: -p.batch_slots)  # the batch a request would otherwise join
+            if plain:
+                pairs[m.spec.name] = (m.batch, plain[0].batch)
+                k.append(m.spec.speculative.num_tokens)
+        # the CPUs an engine computes on, where the backend pinned it (else every mode shares one lane)
+        lanes = {m.spec.name: ",".join(map(str, m.details.get("cpus", ()))) for m in modes}
+        self.speculation.bind(pairs, {m.spec.name: m.batch for m in modes}, max(k, default=REPLAY_K), lanes)
+
+    def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
+        n = len(prompt_ids)
+        by_mode = self.registry.prefix_matches(prompt_ids)
+        match = max(by_mode.values(), default=0)
+        in_flight = {name: state.in_flight for name, state in self.registry.modes.items()}
+        free, fraction = memory_headroom()
+        drafting = self.speculation.estimate(prompt_ids, task, in_flight)
+        return Features(
+            prompt_tokens=n,
+            max_tokens=params.max_tokens,
+            prefix_match_tokens=match,
+            prefix_match_ratio=match / n if n else 0.0,
+            queue_depth=sum(in_flight.values()),
+            memory_headroom=fraction,
+            memory_free_gb=free / 2**30,
+            greedy=int(params.greedy),
+            prefix_match_by_mode=by_mode,
+            task=task,
+            scoring=int(params.prompt_logprobs is not None),
+            in_flight_by_mode=in_flight,
+            prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
+            prompt_repeat=drafting.repeat,
+            draft_tokens_per_step=drafting.tokens_per_step,
+            speculation_gain=drafting.best_gain,
+            needs=tuple(sorted(params.needs)),
+        )
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
+              mode: str | None = None, task: str = "general") -> Generation:
+        """Decide and submit; raises :class:`NoEligibleMode` when nothing can take the request."""
+        return Generation(self, prompt_ids, params, stop, mode, task)

@@ -1,0 +1,273 @@
+"""Every OpenAI parameter is honoured by the mode that serves it, or refused with a 400 naming it.
+
+The fake backend checks the API's own logic (refusals, ``n``, logprobs shapes, the capability gate); the official
+``openai`` client then checks each option on the real engines: the transformers server and the vLLM server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from openai import BadRequestError, OpenAI
+from pydantic import BaseModel
+
+from modeswitch.api import tools
+from modeswitch.api.errors import ApiError
+from modeswitch.api.schemas import ChatBody, parse
+from modeswitch.engines.base import SamplingParams
+from modeswitch.engines.transformers.processors import Decoding
+from modeswitch.testing.engine import Script
+
+CHAT = [{"role": "user", "content": "Describe a cat in one sentence."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}]
+
+
+def sse(resp) -> list[dict]:
+    lines = [line for line in resp.get_data(as_text=True).split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+# ---------------------------------------------------------------------------------------------- the API's logic
+def test_unknown_fields_are_refused_and_no_effect_fields_documented_and_accepted(make_app):
+    app = make_app()
+    bad = app.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "logit_bais": {"1": 2}})
+    assert bad.status_code == 400 and bad.get_json()["error"]["param"] == "logit_bais"
+    for field, why in (("best_of", "n choices"), ("functions", "tools"), ("suffix", "not supported")):
+        err = app.post("/v1/completions", json={"prompt": "x", field: 2}).get_json()["error"]
+        assert err["param"] == field and why in err["message"], err
+    nested = app.post("/v1/chat/completions", json={"messages": [{**CHAT[0], "weight": 1}]})
+    assert nested.status_code == 400 and nested.get_json()["error"]["param"] == "messages.0.weight"
+    ok = app.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "user": "u1",
+                                                 "metadata": {"k": "v"}, "store": False, "temperature": 0})
+    assert ok.status_code == 200, ok.get_data(as_text=True)
+    schema = app.get("/openapi.json").get_json()["components"]["schemas"]
+    assert schema["ChatBody"]["additionalProperties"] is False
+    assert {"seed", "logit_bias", "response_format", "tools", "tool_choice", "top_logprobs", "min_tokens",
+            "structured_outputs"} <= set(schema["ChatBody"]["properties"])
+    assert "no effect" in schema["ChatBody"]["properties"]["user"]["description"]
+
+
+def test_n_choices_each_answered_and_streamed_side_by_side(make_app):
+    app = make_app()
+    body = app.complete("Hello", max_tokens=4, n=3)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == len(app.service.tokenizer("Hello").input_ids)  # once, not per choice
+    assert body["usage"]["completion_tokens"] == 12
+    chunks = sse(app.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "n": 2, "stream": True,
+                                                   "temperature": 0, "stream_options": {"include_usage": True}}))
+    texts, finished = {0: "", 1: ""}, {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finished[choice["index"]] = choice["finish_reason"]
+    assert texts[0] == texts[1] == body["choices"][0]["text"] and finished == {0: "length", 1: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert all(m["in_flight"] == 0 for m in app.modes().values())
+
+
+def test_generated_logprobs_in_both_shapes_whole_and_streamed(make_app):
+    app = make_app()
+    body = app.complete("Hello", max_tokens=3, logprobs=2)
+    lp = body["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == body["choices"][0]["text"] and lp["token_logprobs"] == [-1.0] * 3
+    assert all(len(top) == 2 and max(top.values()) == -1.0 for top in lp["top_logprobs"])
+    assert lp["text_offset"] == [0, 1, 2]
+    chat = app.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "temperature": 0,
+                                                   "logprobs": True, "top_logprobs": 2}).get_json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == chat["choices"][0]["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in content)
+    chunks = sse(app.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "temperature": 0,
+                                                         "logprobs": True, "stream": True}))
+    streamed = [e for c in chunks for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert all(e["top_logprobs"] == [] for e in streamed)  # top_logprobs not asked for: none
+
+
+def test_a_mode_that_cannot_honour_an_option_is_filtered_and_named_when_pinned(make_app):
+    app = make_app(modes=("fp16", "continuous_batching"),
+                   scripts={"fp16": Script(capabilities=frozenset({"temperature", "logprobs"}))})
+    pinned = app.post("/v1/completions", json={"prompt": "x", "mode": "continuous_batching", "temperature": 0.7,
+                                               "seed": 3, "max_tokens": 2}).get_json()["error"]
+    assert pinned["param"] == "mode" and "cannot honour seed, temperature" in pinned["message"]
+    served = app.post("/v1/completions", json={"prompt": "x", "temperature": 0.7, "max_tokens": 2})
+    assert served.headers["X-ModeSwitch-Mode"] == "fp16"
+    nobody = app.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frequency_penalty": 1.0})
+    err = nobody.get_json()["error"]
+    assert nobody.status_code == 400 and err["code"] == "unsupported_option" and "frequency_penalty" in err["message"]
+    greedy = app.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "seed": 3})
+    assert greedy.status_code == 200  # a seed changes nothing in greedy decoding: any mode serves it
+
+
+def test_penalties_apply_as_vllm_applies_them():
+    """Presence and frequency over the generated tokens only, subtracted; repetition over prompt and output."""
+    logits = torch.zeros(1, 6)
+    ids = torch.tensor([[4, 5, 1, 1, 2]])  # a 2-token prompt (4, 5), then 1, 1, 2 generated
+    out = Decoding(SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.25), 2, {0}, None) \
+        .processors(ids, logits.clone())
+    assert out[0].tolist() == [0.0, -1.0, -0.75, 0.0, 0.0, 0.0]
+    rep = Decoding(SamplingParams(max_tokens=4, repetition_penalty=2.0), 2, {0}, None)
+    assert rep.processors(ids, torch.full((1, 6), 2.0))[0].tolist() == [2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
+
+
+def test_seeded_sampling_draws_from_the_requests_own_generator():
+    logits = torch.zeros(50)
+    draws = [[Decoding(SamplingParams(max_tokens=1, temperature=1.0, seed=s), 0, set(), None).choose([1], logits)
+              for _ in range(3)] for s in (1, 1, 2)]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+def test_tools_reach_a_template_without_tool_support_and_auto_calls_are_parsed():
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}], "tools": TOOLS}
+    req = parse(ChatBody, body)
+    rendered, extra = tools.messages(req, native=False)
+    assert extra == {} and rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"]
+    assert rendered[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    native, extra = tools.messages(req, native=True)
+    assert extra["tools"][0]["function"]["name"] == "get_weather" and native[1]["tool_calls"][0]["function"][
+        "arguments"] == {"city": "Oslo"} and native[2]["tool_call_id"] == "c1"
+    content, calls = tools.parse(req, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                                      '{"city": "Bergen", "unit": "celsius"}}\n</tool_call>')
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"])["city"] == "Bergen"
+    assert tools.parse(req, "<tool_call>{not json</tool_call>") == ("<tool_call>{not json</tool_call>", [])
+    assert tools.parse(req, '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')[1] == []  # not offered
+    assert tools.constraint(req) is None  # auto: the model may answer in text
+    forced = parse(ChatBody, {**body, "tool_choice": "required", "parallel_tool_calls": False})
+    schema = json.loads(tools.constraint(forced).spec)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    with pytest.raises(ApiError, match="not in tools"):
+        parse(ChatBody, {**body, "tool_choice": {"type": "function", "function": {"name": "other"}}})
+
+
+# ---------------------------------------------------------------------------------------------- real engines
+class Cat(BaseModel):
+    name: str
+    age: int
+
+
+def honoured_everywhere(client: OpenAI) -> None:
+    """What both engines must do, asked through the official client."""
+    # seed: the same seed gives the same text; another seed (almost surely) another
+    def sampled(seed):
+        return client.completions.create(model="demo", prompt="My favourite animal is", max_tokens=12,
+                                         temperature=1.0, seed=seed).choices[0].text
+    assert sampled(7) == sampled(7)
+    assert len({sampled(7), sampled(8), sampled(9)}) > 1
+    # penalties and bias change greedy text: frequency over the answer (which repeats "1, "), repetition over
+    # the prompt too
+    def greedy(**options):
+        return client.completions.create(model="demo", prompt="1, 1, 1, 1, 1,", max_tokens=10, temperature=0,
+                                         **options).choices[0].text
+    plain = greedy()
+    assert plain.startswith(" 1, 1, 1,")
+    assert greedy(frequency_penalty=2.0) != plain
+    assert not greedy(extra_body={"repetition_penalty": 1.5}).startswith(" 1")
+    biased = client.completions.create(model="demo", prompt="Hello", max_tokens=4, temperature=0,
+                                       logit_bias={"28": 100})  # token 28 is ","
+    assert biased.choices[0].text == ",,,,"
+    stopped = client.completions.create(model="demo", prompt="Hello", max_tokens=8, temperature=0,
+                                        logit_bias={"28": 100}, extra_body={"stop_token_ids": [28], "min_tokens": 2})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 3
+    assert stopped.choices[0].text and "," not in stopped.choices[0].text  # the stop token is not shown, as on vLLM
+    # ignore_eos and min_tokens: as many tokens as asked
+    long = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 24
+    # n and logprobs
+    two = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=1.0, seed=1, n=2,
+                                         logprobs=True, top_logprobs=2)
+    assert [c.index for c in two.choices] == [0, 1] and two.choices[0].message.content != two.choices[1].message.content
+    for choice in two.choices:
+        assert len(choice.logprobs.content) == 6 and all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+                   for e in choice.logprobs.content)
+    # structured outputs: the client's pydantic helper, json_object, a regex and a choice
+    parsed = client.chat.completions.parse(model="demo", response_format=Cat, max_tokens=64, temperature=0,
+                                           messages=[{"role": "user", "content": "Describe a cat as JSON."}])
+    assert isinstance(parsed.choices[0].message.parsed, Cat)
+    obj = client.chat.completions.create(model="demo", max_tokens=200, temperature=0, messages=[{
+        "role": "user", "content": "Describe a cat as a JSON object with the keys name and age."}],
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    digits = client.completions.create(model="demo", prompt="A phone number:", max_tokens=20, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert len(digits.choices[0].text) == 8 and digits.choices[0].text[3] == "-"
+    yes_no = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Is the sky green?"}],
+                                            max_tokens=4, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert yes_no.choices[0].message.content in ("yes", "no")
+    # tools: a forced call has valid arguments; its result goes back; the model then answers
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        call = client.chat.completions.create(model="demo", messages=ask, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=128, temperature=0)
+        message = call.choices[0].message
+        assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), TOOLS[0]["function"]["parameters"])
+        assert call.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    answer = client.chat.completions.create(model="demo", tools=TOOLS, max_tokens=16, temperature=0, messages=[
+        *ask, message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temperature": 21}'}])
+    assert answer.choices[0].message.content
+    streamed = list(client.chat.completions.create(model="demo", messages=ask, tools=TOOLS, tool_choice="required",
+                                                   max_tokens=128, temperature=0, stream=True))
+    calls = [tc for chunk in streamed for c in chunk.choices for tc in (c.delta.tool_calls or ())]
+    assert calls and json.loads(calls[0].function.arguments)["city"]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module")
+def transformers_client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def test_every_option_is_honoured_on_the_transformers_engine(transformers_client):
+    honoured_everywhere(transformers_client)
+
+
+def test_transformers_modes_that_cannot_constrain_are_never_chosen_for_a_grammar(transformers_client):
+    raw = transformers_client.chat.completions.with_raw_response.create(
+        model="demo", messages=CHAT, max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert raw.headers["X-ModeSwitch-Mode"] not in ("speculative", "continuous_batching")
+    with pytest.raises(BadRequestError) as exc:  # transformers' speculative path cannot follow a grammar
+        transformers_client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4,
+                                                    response_format={"type": "json_object"},
+                                                    extra_body={"mode": "speculative"})
+    assert "structured_outputs" in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def vllm_client(vllm_server) -> OpenAI:
+    return OpenAI(base_url=vllm_server + "/v1", api_key="none", max_retries=0)
+
+
+def test_every_option_is_honoured_on_the_vllm_engine(vllm_client):
+    honoured_everywhere(vllm_client)
+
+
+def test_vllm_speculative_modes_refuse_what_vllm_refuses_with_drafting(vllm_client):
+    with pytest.raises(BadRequestError) as exc:
+        vllm_client.completions.create(model="demo", prompt="x", max_tokens=2, logit_bias={"28": 5},
+                                       extra_body={"mode": "speculative"})
+    assert "logit_bias" in str(exc.value)
+    drafted = vllm_client.completions.with_raw_response.create(
+        model="demo", prompt="one two three one two three one two", max_tokens=8, temperature=0, logprobs=1,
+        extra_body={"mode": "speculative"})
+    assert drafted.headers["X-ModeSwitch-Mode"] == "speculative"
+    assert len(drafted.parse().choices[0].logprobs.tokens) == 8
+    constrained = vllm_client.chat.completions.create(  # vLLM drafts under a grammar
+        model="demo", messages=CHAT, max_tokens=40, temperature=0, extra_body={"mode": "speculative", "structured_outputs": {
+            "choice": ["a cat", "a dog"]}})
+    assert constrained.choices[0].message.content in ("a cat", "a dog")

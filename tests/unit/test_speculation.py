@@ -1,0 +1,143 @@
+"""When drafting pays: the n-gram replay, acceptance learned from completed requests of any mode, step costs by
+load, the default policy's rule, and the features a server computes for each request (fake backend)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from modeswitch.controller.completed import Completed
+from modeswitch.controller.speculation import PRIOR_STEP_COST, SpeculationModel, ngram_steps, prompt_repeat
+from modeswitch.testing.engine import Script
+from policy_text import feats, policy_from
+
+LIST = [100 + i for i in range(60)]  # a prompt of 60 distinct tokens (a list to quote)
+PROSE = [200 + i for i in range(12)]  # a short prompt of another kind
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "batch-first.yaml"
+
+
+def test_replay_counts_the_steps_prompt_lookup_would_take():
+    # quoting the prompt: after the first two tokens of the quote, each step accepts k=5 and adds one
+    quote = LIST[:30]
+    steps = ngram_steps(LIST, quote, k=5)
+    assert steps <= 2 + -(-28 // 6) + 1
+    assert steps < len(quote) / 3
+    # new text matches nothing: one token per step
+    novel = [900 + i for i in range(30)]
+    assert ngram_steps(LIST, novel) == len(novel)
+    # a draft that is wrong costs its step, and only the agreeing prefix counts
+    edited = LIST[:10] + [999] + LIST[11:20]
+    assert len(edited) / ngram_steps(LIST, edited) < len(LIST[:20]) / ngram_steps(LIST, LIST[:20])
+
+
+def test_prompt_repeat_is_the_share_of_trigrams_seen_before():
+    assert prompt_repeat(LIST) == 0.0
+    assert prompt_repeat([1, 2, 3] * 20) > 0.9
+    assert prompt_repeat([5, 6]) == 0.0
+
+
+def done(prompt, output, mode="int8", in_flight=None, tpot=0.02, steps=None) -> Completed:
+    in_flight = in_flight or {}
+    f = feats(prompt_tokens=len(prompt), queue_depth=sum(in_flight.values()), in_flight_by_mode=in_flight,
+              prompt_repeat=prompt_repeat(prompt))
+    return Completed(mode, f, "ok", 0.05, tpot, 0.05 + tpot * (len(output) - 1), len(prompt), len(output), 1.0,
+                     "estimated", False, False, tuple(prompt), tuple(output), steps)
+
+
+def model() -> SpeculationModel:
+    m = SpeculationModel()
+    m.bind({"int8+speculative": ("int8-spec", "int8")}, {"int8": "int8", "int8+speculative": "int8-spec"})
+    return m
+
+
+def test_acceptance_is_learned_from_requests_no_speculative_mode_served():
+    m = model()
+    cold = m.estimate(LIST, "general", {})
+    assert cold.tokens_per_step == 1.0 and cold.best_gain < 1.0  # nothing known: drafting is not worth its cost
+    for _ in range(3):  # the plain batch served them; the replay says drafting would have quoted them
+        m.observe(done(LIST, LIST[:40]))
+    warm = m.estimate(LIST, "general", {})
+    assert warm.tokens_per_step > 3
+    assert warm.gain["int8+speculative"] == warm.tokens_per_step / PRIOR_STEP_COST
+    # another kind (a short prompt, another task) is not judged by the quoting kind's evidence
+    assert m.estimate([7, 8, 9, 10], "general", {}).tokens_per_step == 1.0
+    assert m.estimate(LIST, "code", {}).tokens_per_step == 1.0
+    m.observe(done([7, 8, 9, 10], [500 + i for i in range(40)]))
+    assert m.estimate([7, 8, 9, 10], "general", {}).tokens_per_step == 1.0  # prose: nothing to copy
+    assert m.estimate(LIST, "general", {}).tokens_per_step == warm.tokens_per_step
+
+
+def test_step_costs_are_measured_per_lane_load():
+    m = model()
+    for _ in range(3):
+        m.observe(done(LIST, LIST[:40], in_flight={"int8": 7}, tpot=0.02))  # plain batch, joining 7: 20 ms a token
+        # the drafting batch at the same load: 40 tokens in 10 target steps at 10 ms a token = 43 ms a step
+        m.observe(done(LIST, LIST[:40], mode="int8+speculative", in_flight={"int8+speculative": 7}, tpot=0.01,
+                       steps=10))
+    assert m.step_seconds("int8", 8) == pytest.approx(0.02)
+    assert m.step_seconds("int8-spec", 8) == pytest.approx(0.01 * 39 / 9)
+    busy = m.estimate(LIST, "general", {"int8": 4, "int8+speculative": 3})
+    assert busy.gain["int8+speculative"] == pytest.approx(busy.tokens_per_step * 0.02 / (0.01 * 39 / 9))
+    # an unmeasured load: the prior (both on one lane here, so the loads are the same)
+    idle = m.estimate(LIST, "general", {})
+    assert idle.gain["int8+speculative"] == pytest.approx(idle.tokens_per_step / PRIOR_STEP_COST)
+
+
+def test_a_burst_is_spread_over_lanes_before_it_is_measured():
+    m = model()
+    m.bind(m.pairs, m.batches, lanes={"int8": "core0", "int8+speculative": "core1"})
+    for _ in range(2):
+        m.observe(done(LIST, LIST[:12] + [900 + i for i in range(28)]))  # a little copying: ~1.3 tokens a step
+    tau = m.estimate(LIST, "general", {}).tokens_per_step
+    assert 1.1 < tau < 2
+    gains = [m.estimate(LIST, "general", {"int8+speculative": n, "int8": 2}).best_gain for n in range(6)]
+    assert gains == sorted(gains, reverse=True)  # the drafting lane fills up: drafting pays less
+    assert gains[0] > 1.1 > gains[-1]
+    # with both on one lane the plain batch's requests slow the drafting ones just as much
+    m.bind(m.pairs, m.batches)
+    assert m.estimate(LIST, "general", {"int8+speculative": 5, "int8": 2}).best_gain == pytest.approx(tau / PRIOR_STEP_COST)
+
+
+def test_failed_scoring_and_one_token_requests_teach_nothing():
+    m = model()
+    m.observe(done(LIST, LIST[:1]))
+    f = done(LIST, LIST[:40])
+    m.observe(replace(f, outcome="error"))
+    m.observe(replace(f, scoring=True))
+    assert m.describe()["requests"] == 0
+
+
+def test_default_policy_speculates_only_when_it_pays():
+    policy = policy_from(DEFAULT_POLICY.read_text())
+    choice = policy.choose(feats(speculation_gain=2.5, prefix_cache_batched=1), {})
+    assert choice.mode == "int8+speculative" and choice.rule == "speculate-when-it-pays"
+    assert policy.choose(feats(speculation_gain=1.0, prefix_cache_batched=1), {}).mode == "int8+prefix_cache"
+    # a shared prefix is read where it is held, the speculative engine's cache included
+    held = feats(speculation_gain=2.5, prefix_match_tokens=500, prefix_match_ratio=0.9,
+                 prefix_match_by_mode={"int8+speculative": 500, "int8+prefix_cache": 0})
+    assert policy.choose(held, {}).mode == "int8+speculative"
+
+
+def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
+    modes = ["int8+prefix_cache", "int8+speculative", "fp16"]
+    app = make_app(modes=modes, policy=DEFAULT_POLICY.read_text(), scripts={m: Script(batch=4) for m in modes})
+    model = app.service.speculation
+    assert model.pairs == {"int8+speculative": ("int8+speculative", "int8+prefix_cache")}
+    # prose, nothing learned yet: the batch, and the request's own answer is replayed once it is done
+    first = app.complete(PROSE, max_tokens=24)
+    assert first["modeswitch"]["mode"] == "int8+prefix_cache", first["modeswitch"]["reason"]
+    assert first["modeswitch"]["features_us"] > 0
+    assert first["modeswitch"]["features"]["draft_tokens_per_step"] == 1.0
+    assert app.modes()["int8+speculative"]["status"] == "available"
+    assert app.get("/v1/modes").get_json()["speculation"]["requests"] == 1
+    # requests of a kind whose answers quoted their prompts: drafting is predicted to pay, and is chosen
+    for _ in range(2):
+        model.observe(done(LIST, LIST[:40]))
+    quoted = app.complete(LIST, max_tokens=24)["modeswitch"]
+    assert quoted["mode"] == "int8+speculative", quoted["reason"]
+    assert quoted["features"]["speculation_gain"] >= 1.1 and "speculate-when-it-pays" in quoted["reason"]
+    prose = app.complete(PROSE, max_tokens=24)["modeswitch"]
+    assert prose["mode"] == "int8+prefix_cache", prose["reason"]
+    assert prose["features"]["draft_tokens_per_step"] < 1.5
