@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,14 @@ def test_readme_short_and_nav_pages_exist():
     assert pages, "mkdocs.yml has no nav"
     missing = [page for page in pages if not (docs / page).is_file()]
     assert not missing, f"pages in mkdocs.yml's nav that do not exist: {missing}"
+
+
+def test_the_module_map_lists_every_module_and_nothing_else():
+    """docs/architecture.md's module map has one row per module under modeswitch/: a module added, moved or
+    removed without its row fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Module map"):text.index("## Outside the package")]
+    listed = set(re.findall(r"^\| `([^`]+\.py)` \|", section, re.M))
+    package = ROOT / "modeswitch"
+    actual = {str(p.relative_to(package)) for p in package.rglob("*.py") if "__pycache__" not in p.parts}
+    assert listed == actual, f"not in the map: {sorted(actual - listed)}; in the map, not in the package: {sorted(listed - actual)}"
