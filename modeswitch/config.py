@@ -73,9 +73,10 @@ class LoadConfig:
     staged: bool = option(True, "serve as soon as the engine of the policy's first mode is up and load the other "
                           "modes in the background (/health counts them in modes_loading; /v1/modes lists them as "
                           "loading); --no-staged-start: listen once every mode is up", flag="--staged-start")
-    engine_stall_s: float = option(60.0, "seconds one vLLM engine step may run before the engine counts as wedged: "
-                                   "its requests are answered at once, it is killed and started again, as a dead "
-                                   "one is (0: never)")
+    engine_stall_s: float = option(60.0, "seconds one engine step may run before the engine counts as wedged: "
+                                   "its requests are answered at once; a vLLM engine is killed and started again, "
+                                   "as a dead one is; a transformers engine gets a new worker thread once the "
+                                   "step has returned (0: never)")
     yield_start_s: float = option(300.0, "with a staged start on vLLM engines: seconds the engines starting in the "
                                   "background yield the CPU to the requests served (Linux SCHED_IDLE, where the "
                                   "process may return from it) before competing for it; 0: they compete from the start")

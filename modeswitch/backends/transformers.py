@@ -10,6 +10,8 @@ workers and the plain continuous-batching manager, as measured fastest there.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from ..config import LoadConfig
@@ -18,12 +20,15 @@ from ..engines.static.drafts import ModelDrafter, NgramDrafter
 from ..engines.static.loop import StaticLoopEngine
 from ..engines.transformers.engines import ContinuousBatchingEngine, GenerateEngine
 from ..engines.transformers.prefix_kv import PrefixKVStore
+from ..engines.transformers.worker import SerialEngine
 from ..memory import Footprint, MemoryPlan
 from ..modes import ModeSpec
 from ..weights.precision import describe_torch_linear, first_linear
 from ..weights.presets import Preset
-from .base import BuiltMode, ModelInfo, Progress
+from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
+
+log = logging.getLogger(__name__)
 
 
 class TransformersBackend:
@@ -39,6 +44,12 @@ class TransformersBackend:
         self.loop_compile: str | None = "reduce-overhead" if self.checkpoint.device.type == "cuda" else "default"
         self._warmup_s: dict[str, float] = {}
         self.gate_key = "transformers-compiled" if self.checkpoint.compiled_decode else "transformers"
+        self.stall_s = load.engine_stall_s
+        #: the one-at-a-time engines the supervisor watches, and those given up on until they serve again
+        self._supervised: dict[str, SerialEngine] = {}
+        self._down: set[str] = set()
+        self._closing = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="transformers-supervisor", daemon=True)
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()
@@ -62,6 +73,10 @@ class TransformersBackend:
             engine = self._loop_engine(spec, model, details, progress)
         else:
             engine = self._generate_engine(spec, model, details, progress)
+        if isinstance(engine, SerialEngine):
+            self._supervised[spec.name] = engine
+            if not self._supervisor.is_alive() and not self._closing.is_set():
+                self._supervisor.start()
         return BuiltMode(engine, details, self.checkpoint.step_cost(self.weights.nbytes(spec.weights)))
 
     def _draft_variant(self, spec: ModeSpec, details: dict[str, Any]) -> str | None:
@@ -124,5 +139,39 @@ class TransformersBackend:
     def describe(self) -> dict[str, Any]:
         return {}
 
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self) -> None:
+        """Every :data:`SUPERVISE_S`: an engine whose worker thread exited or whose step has run past
+        ``--engine-stall-s`` leaves the pool (its mode ``restarting``), its requests are answered, and a new
+        worker serves once the old thread is gone, up to :data:`MAX_RESTARTS` times; then the mode is
+        ``unavailable`` with the reason."""
+        while not self._closing.wait(SUPERVISE_S):
+            for name, engine in list(self._supervised.items()):
+                if name in self._down:
+                    if engine.resume():
+                        self._down.discard(name)
+                        engine.counters["engine_restarts"] += 1
+                        log.info("mode %s: its engine serves again (restart %d)", name,
+                                 engine.counters["engine_restarts"])
+                        engine.report_health(None)
+                    continue
+                why = engine.fault(self.stall_s)
+                if why is None:
+                    continue
+                reason = f"transformers engine {name}: {why}"
+                restarting = engine.counters["engine_restarts"] < MAX_RESTARTS
+                log.warning("%s; %d restart(s) so far", reason, engine.counters["engine_restarts"])
+                engine.counters["engine_deaths"] += 1
+                # out of the pool before its requests are answered, so that none is retried on it
+                engine.report_health(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} "
+                                     "restarts", restarting)
+                engine.abandon(reason)
+                if restarting:
+                    self._down.add(name)
+                else:
+                    del self._supervised[name]
+
     def close(self) -> None:
-        """The modes' engines are all there is to stop; the weights go with the process."""
+        """The modes' engines are all there is to stop (the registry closes them); the weights go with the
+        process."""
+        self._closing.set()

@@ -27,7 +27,7 @@ from ..priority import BackgroundStarts
 from ..weights.precision import dtype_name
 from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub, prepare_in_subprocess
 from ..weights.store import VariantUnavailable
-from .base import BuiltMode, ModelInfo, Progress
+from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, ModelInfo, Progress
 from .checkpoint import Checkpoint
 from .starts import StartHistory
 
@@ -35,10 +35,6 @@ from .starts import StartHistory
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
 #: the vLLM CPU op a W8A8 int8 engine runs its matmuls with (oneDNN; in the AVX2 build too)
 INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
-#: how often the supervisor looks at every engine's processes (so a dead engine is found within this)
-SUPERVISE_S = 0.5
-#: a dead engine is started again at most this many times over the server's life, after 2, 4, 8 s
-MAX_RESTARTS = 3
 #: how often a start reports the engines still starting
 PROGRESS_S = 30.0
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,

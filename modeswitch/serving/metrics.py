@@ -34,7 +34,8 @@ ENGINE_COUNTERS = {
     "prefix_hit_tokens": ("modeswitch_prefix_cache_hit_tokens", "Prompt tokens whose KV was reused"),
     "spec_steps": ("modeswitch_spec_target_steps", "Target-model steps of speculative decoding"),
     "spec_tokens": ("modeswitch_spec_tokens", "Tokens produced by speculative decoding (accepted drafts + 1 per step)"),
-    "engine_deaths": ("modeswitch_engine_deaths", "Deaths of the engine the mode runs on (a process of it exited)"),
+    "engine_deaths": ("modeswitch_engine_deaths",
+                      "Deaths of the engine the mode runs on (a process or worker thread of it exited, or it wedged)"),
     "engine_restarts": ("modeswitch_engine_restarts", "Times the engine the mode runs on was started again"),
 }
 

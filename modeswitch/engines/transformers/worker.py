@@ -1,9 +1,9 @@
 """What every one-request-at-a-time transformers engine shares: a worker thread over a queue, prompt scoring,
-prefix-store statistics and shutdown.
+prefix-store statistics, supervision and shutdown.
 
-:class:`SerialEngine` is the base of ``generate()``'s engine (:mod:`modeswitch.engines.transformers.engines`) and of the owned
-static-cache loop (:mod:`modeswitch.engines.static.loop`); a subclass supplies ``_generate`` only, so scoring
-and queueing behave the same whichever decode path a mode takes.
+:class:`SerialEngine` is the base of ``generate()``'s engine (:mod:`.engines`) and of the owned static-cache loop
+(:mod:`modeswitch.engines.static.loop`); a subclass supplies ``_generate`` only, so scoring and queueing behave
+the same whichever decode path a mode takes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -40,9 +41,21 @@ def finish_reason(req: GenRequest, generated: list[int], eos: set[int]) -> str:
     return "length"
 
 
+class Detached(Exception):
+    """Raised in a worker thread that its engine has given up on, at its next step: it leaves without touching
+    the model again."""
+
+
 class SerialEngine(Engine):
     """One request at a time on a worker thread. The queue also carries plain callables (:meth:`call`), so work
-    that must run on the worker's own thread (compiling and capturing CUDA graphs) can be handed to it."""
+    that must run on the worker's own thread (compiling and capturing CUDA graphs) can be handed to it.
+
+    Supervised by its backend (:meth:`fault`, :meth:`abandon`, :meth:`resume`): a worker thread that exited, or
+    one whose step has run past a bound, is given up; the requests on it are answered; a new worker starts once
+    the old thread is gone. A thread cannot be killed, so a wedged one is waited for: it leaves at its next
+    step (:class:`Detached`), and the mode stays ``restarting`` until then. The new worker never runs beside it,
+    as the two would share the model's caches (the owned loop's static KV cache).
+    """
 
     def __init__(self, name: str, model, max_queue: int, prefix_store: PrefixKVStore | None = None,
                  grammars: Grammars | None = None) -> None:
@@ -55,10 +68,14 @@ class SerialEngine(Engine):
         if grammars is None:
             self.capabilities = self.capabilities - {"structured_outputs"}
         self.eos = eos_ids(model)
-        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0,
+                         "engine_deaths": 0, "engine_restarts": 0}
         self._queue: queue.Queue[GenRequest | Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
-        self._thread.start()
+        #: the request being served and when its last step began (what :meth:`fault` reads)
+        self._current: GenRequest | None = None
+        self._stepped_at = time.monotonic()
+        self._given_up: threading.Thread | None = None  # a worker given up on, until it has left
+        self._worker = self._start_worker()
 
     def _enqueue(self, req: GenRequest) -> None:
         self._queue.put(req)
@@ -79,9 +96,16 @@ class SerialEngine(Engine):
             raise value
         return value
 
-    def _loop(self) -> None:
-        while True:
-            req = self._queue.get()
+    def _start_worker(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, args=(self._queue,), name=f"engine-{self.name}", daemon=True)
+        self._worker = thread  # before it runs: the loop serves while it is its engine's worker
+        thread.start()
+        return thread
+
+    def _loop(self, requests: queue.Queue) -> None:
+        me = threading.current_thread()
+        while self._worker is me:
+            req = requests.get()
             if req is None:
                 return
             if not isinstance(req, GenRequest):
@@ -90,14 +114,65 @@ class SerialEngine(Engine):
             if req.cancelled.is_set():
                 req.emit("done", finish_reason="cancelled", cached_tokens=0)
                 continue
+            self._current, self._stepped_at = req, time.monotonic()
             try:
                 if req.params.prompt_logprobs is not None:
                     self._score(req)
                 else:
                     self._generate(req)
+            except Detached:
+                return
             except Exception as exc:  # one request's failure must not stop the worker
                 log.exception("mode %s failed a request", self.name)
                 req.emit("error", error=f"{exc.__class__.__name__}: {exc}")
+            if self._worker is me:  # a worker that exits on an uncaught error leaves its request to abandon()
+                self._current = None
+
+    def _begin_step(self, work):
+        if threading.current_thread() is not self._worker:
+            raise Detached(self.name)
+        self._stepped_at = time.monotonic()
+        return super()._begin_step(work)
+
+    # ------------------------------------------------------------------ supervision
+    def fault(self, stall_s: float) -> str | None:
+        """Why the engine cannot serve any more, or None: its worker thread has exited (an error no request
+        handler caught), or one step of the request it serves has run longer than ``stall_s``."""
+        worker = self._worker
+        if worker is None:
+            return None
+        if not worker.is_alive():
+            return "its worker thread exited"
+        held = time.monotonic() - self._stepped_at
+        if stall_s > 0 and self._current is not None and held > stall_s:
+            return f"one step has run {held:.0f} s (more than --engine-stall-s {stall_s:g})"
+        return None
+
+    def abandon(self, reason: str) -> None:
+        """Give up on the worker: the request it serves and every request queued get an error (a request that has
+        sent nothing is retried on another mode by the service), and the worker leaves at its next step."""
+        self._given_up, self._worker = self._worker, None
+        current, self._current = self._current, None
+        if current is not None:
+            current.emit("error", error=reason)
+        queued, self._queue = self._queue, queue.Queue()
+        while True:
+            try:
+                item = queued.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, GenRequest):
+                item.emit("error", error=reason)
+            elif item is not None:
+                self._queue.put(item)  # work handed to the worker thread runs on the next one
+
+    def resume(self) -> bool:
+        """Start a new worker once the one given up on has left; True when the engine serves again."""
+        if self._given_up is not None and self._given_up.is_alive():
+            return False
+        self._given_up = None
+        self._start_worker()
+        return True
 
     def _generate(self, req: GenRequest) -> None:
         raise NotImplementedError
@@ -143,8 +218,10 @@ class SerialEngine(Engine):
         return {**stats, **spec_tokens_per_step(self.counters)}
 
     def close(self) -> None:
+        worker = self._worker
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        if worker is not None:
+            worker.join(timeout=30)
         while True:  # anything still queued behind the sentinel gets an answer
             try:
                 req = self._queue.get_nowait()
