@@ -6,7 +6,14 @@ Shared by the backends (placing weights), the registry (the default memory budge
 
 from __future__ import annotations
 
+import ctypes
+import threading
+import time
+
 import psutil
+
+#: how often a process hands the memory its allocator has freed back to the system (:func:`keep_heap_trimmed`)
+TRIM_S = 30.0
 
 
 def native_16bit(device) -> "torch.dtype | None":
@@ -71,6 +78,32 @@ def process_tree_memory() -> dict[str, int]:
     """What this process and every process it started (vLLM's engine cores and workers) hold."""
     me = psutil.Process()
     return processes_memory([me, *me.children(recursive=True)])
+
+
+def trim_heap() -> bool:
+    """Hand back to the system the pages glibc's malloc holds free, inside its heaps too (``malloc_trim(0)``):
+    it keeps freed memory resident otherwise. False where the C library has no ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def keep_heap_trimmed(every_s: float = TRIM_S) -> None:
+    """Trim this process's heap now and every ``every_s`` (one thread per process, whoever asks again).
+    Loading weights, compiling graphs and bursts of requests free memory the allocator keeps: a demo vLLM engine
+    held 0.12 GB of its 1.88 GB resident that way after its start, the server 0.09 GB of its 1.29 GB. A trim
+    takes milliseconds."""
+    if any(t.name == "modeswitch-heap-trim" for t in threading.enumerate()) or not trim_heap():
+        return
+    def run() -> None:
+        while True:
+            time.sleep(every_s)
+            trim_heap()
+
+    threading.Thread(target=run, name="modeswitch-heap-trim", daemon=True).start()
 
 
 def memory_headroom() -> tuple[int, float]:

@@ -15,6 +15,7 @@ from dataclasses import replace
 from . import logs
 from .compose import build_app
 from .config import ServerConfig, add_server_flags, read_server_flags
+from .device import keep_heap_trimmed
 from .memory import MemoryBudgetExceeded
 from .weights.presets import WeightsNotFound
 from .yamlconf import ConfigError
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
         listener.close()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    keep_heap_trimmed()
     if args.exit_when_ready:
         log.info("ready in %.1f s; exiting (--exit-when-ready)", time.perf_counter() - started)
         listener.close()

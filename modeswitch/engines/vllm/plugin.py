@@ -45,8 +45,11 @@ def register() -> None:
     bind_worker_threads()
     leave_with_parent()
     from ... import logs
+    from ...device import keep_heap_trimmed
 
     logs.quiet_libraries()
+    if os.environ.get(SERVER_ENV) and str(os.getpid()) != os.environ[SERVER_ENV]:
+        keep_heap_trimmed()  # what loading the weights and compiling the graphs freed goes back to the system
 
 
 def leave_with_parent() -> None:
