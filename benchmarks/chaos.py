@@ -13,7 +13,11 @@ p50 latency of plain requests in the baseline, and of those that began and ended
 window (kill to engine up again) and inside one: outside over baseline is what the kills cost the requests they
 did not hit (the target is at most 1.1x).
 
+With ``--replicas N`` the same runs against the Ray Serve cluster (``python -m modeswitch.cluster``, N
+replicas of the default server, each with its vLLM engines), and the engine killed is any replica's.
+
     .venv/bin/python benchmarks/chaos.py [--baseline-minutes 5] [--minutes 15] [--kill-every 120] [--clients 4]
+                                         [--replicas N]
 """
 
 from __future__ import annotations
@@ -34,14 +38,40 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
-from modeswitch.serving.launcher import ROOT, start_server, wait_loaded, wait_stopped  # noqa: E402
+from modeswitch.serving.launcher import ROOT, start_server, wait_stopped  # noqa: E402
 
 PROMPTS = ["The hacker ethic holds that", "A kludge is a clever programming trick that",
            "Write a short poem about rivers.", "List three uses of a paperclip:"]
 
 
-def modes(url: str) -> dict:
-    return requests.get(url + "/v1/modes", timeout=30).json()
+def views(url: str) -> list[dict]:
+    """Each server's ``/v1/modes``: the one server's, or every replica's behind a cluster's ingress."""
+    info = requests.get(url + "/v1/modes", timeout=30).json()
+    return info["replicas"] if "replicas" in info else [info]
+
+
+def engines(url: str) -> dict[str, dict]:
+    """Every vLLM engine, by ``replica/key`` (``key`` alone for one server)."""
+    return {"/".join(filter(None, (view.get("replica"), key))): engine
+            for view in views(url) for key, engine in view.get("engines", {}).items()}
+
+
+def tree_pss(url: str) -> int:
+    """The PSS of every server's process tree (a replica's: its actor and its engines)."""
+    return sum(view["memory"]["process_tree"]["pss_bytes"] for view in views(url) if "memory" in view)
+
+
+def wait_all_up(url: str, replicas: int, wait_s: float = 1800) -> None:
+    """Until every server (every replica) answers and has no mode still loading."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = views(url)
+        if len(got) >= max(replicas, 1) and all("modes" in v and all(m["status"] != "loading" for m in v["modes"])
+                                                for v in got):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: not every replica up after {wait_s:.0f} s")
+        time.sleep(2)
 
 
 class Load:
@@ -101,14 +131,14 @@ class Load:
 
 def kill_one(url: str, rng: random.Random) -> dict:
     """SIGKILL the engine core of one engine that is up; follow it until it is up again."""
-    engines = {k: e for k, e in modes(url)["engines"].items() if e["status"] == "up"}
-    key = rng.choice(sorted(engines))
-    before = engines[key]
+    up = {k: e for k, e in engines(url).items() if e["status"] == "up"}
+    key = rng.choice(sorted(up))
+    before = up[key]
     killed = time.time()
     os.kill(before["pids"][0], signal.SIGKILL)
     out = {"engine": key, "modes": before["modes"], "killed": killed}
     while time.time() - killed < 600:
-        now = modes(url)["engines"][key]
+        now = engines(url)[key]
         if "detected_s" not in out and now["deaths"] > before["deaths"]:
             out["detected_s"] = round(time.time() - killed, 2)
         if now["status"] == "up" and now["restarts"] > before["restarts"]:
@@ -125,22 +155,24 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=120)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=120, help="a request unanswered this long counts as stranded")
+    ap.add_argument("--replicas", type=int, default=0, help="run against a cluster of this many replicas")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url, _ = start_server(Path(tmp), "--model", "demo", wait_s=900, all_modes=False)
+        cluster = ("--replicas", str(args.replicas)) if args.replicas else ()
+        proc, url, _ = start_server(Path(tmp), "--model", "demo", *cluster, wait_s=1800, all_modes=False,
+                                    **({"entry": ("-m", "modeswitch.cluster")} if args.replicas else {}))
         try:
-            wait_loaded(url)
-            info = modes(url)
-            names = [m["name"] for m in info["modes"] if m["status"] == "available"]
-            pss_loaded = info["memory"]["process_tree"]["pss_bytes"]
+            wait_all_up(url, args.replicas)
+            names = sorted({m["name"] for v in views(url) for m in v["modes"] if m["status"] == "available"})
+            pss_loaded = tree_pss(url)
             load = Load(url, args.clients, args.timeout, names)
             for t in load.threads:
                 t.start()
             time.sleep(args.baseline_minutes * 60)
-            pss_start = modes(url)["memory"]["process_tree"]["pss_bytes"]  # served for a while: the kills' start
+            pss_start = tree_pss(url)  # served for a while: the kills' start
             began, kills, reloaded = time.time(), [], False
             while time.time() - began < args.minutes * 60:
                 time.sleep(min(args.kill_every, max(1.0, args.minutes * 60 - (time.time() - began))))
@@ -154,7 +186,7 @@ def main() -> int:
             for t in load.threads:
                 t.join(args.timeout + 10)
             time.sleep(5)
-            pss_end = modes(url)["memory"]["process_tree"]["pss_bytes"]
+            pss_end = tree_pss(url)
             health = requests.get(url + "/health", timeout=30).json()
         finally:
             proc.terminate()
@@ -189,9 +221,10 @@ def main() -> int:
         lines.append(f"| {i} | {k['engine']} | {k.get('detected_s')} | {k.get('back_s')} | {k['running_on_it']} |")
     table = "\n".join(lines) + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary.items())
     print(table)
-    stem = save_results(args.out, "chaos_demo", args.tag,
+    stem = save_results(args.out, "chaos_demo", args.tag or (f"cluster-{args.replicas}" if args.replicas else ""),
                         {"processor": processor(), "args": vars(args), "summary": summary, "kills": kills},
-                        f"# Chaos ({processor()}, {args.baseline_minutes} min without kills, then {args.minutes} min "
+                        f"# Chaos ({processor()}, {f'{args.replicas} replicas, ' if args.replicas else ''}"
+                        f"{args.baseline_minutes} min without kills, then {args.minutes} min "
                         f"with a kill every {args.kill_every:.0f} s, "
                         f"{args.clients} clients)\n\n{table}\n")
     print(f"wrote {stem}.json/.md")
