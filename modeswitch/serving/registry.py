@@ -113,9 +113,12 @@ class ModeState:
         return self.engine is not None and self.status in ("restarting", "unavailable")
 
     def engine_health(self, down: str | None, restarting: bool) -> None:
-        """What its engine reports (:meth:`Engine.watch`): down and why (restarting or not), or back up."""
+        """What its engine reports (:meth:`Engine.watch`): down and why (restarting or not), or back up. Back up,
+        it serves at once: the requests its dead engine failed quarantined it, and a fresh engine owes nothing
+        for them (five at once held a restarted mode out for 80 s)."""
         if down is None:
             self.status, self.reason = "available", ""
+            self.consecutive_failures, self.quarantined_until = 0, 0.0
         else:
             self.status, self.reason = "restarting" if restarting else "unavailable", down
 

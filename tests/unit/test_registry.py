@@ -14,7 +14,7 @@ from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
 from modeswitch.memory import Footprint, MemoryBudgetExceeded, MemoryPlan
 from modeswitch.weights.presets import PRESETS
 from modeswitch.modes import ModeSpec
-from modeswitch.serving.registry import ModeRegistry
+from modeswitch.serving.registry import ModeRegistry, ModeState
 from modeswitch.weights.store import VariantUnavailable
 
 GIB = 2**30
@@ -211,3 +211,17 @@ def test_start_history_keeps_each_engines_last_start_across_servers(tmp_path):
     assert StartHistory(path).last("demo:fp16:compiled") == 61.3  # what the next server reads
     path.write_text("{not json")
     assert StartHistory(path).last("demo:fp16:compiled") is None  # a courtesy: a bad file is an empty history
+
+
+def test_a_mode_whose_engine_is_back_up_serves_at_once():
+    """The requests an engine's death failed quarantine its mode; the restarted engine clears that."""
+    state = ModeState(ModeSpec(name="fp16", weights="fp16"))
+    state.status = "available"
+    for _ in range(5):
+        state.record_failure("vLLM engine fp16 died")
+    state.engine_health("vLLM engine fp16 died", restarting=True)
+    assert state.status == "restarting" and state.quarantine_left > 60
+    state.engine_health(None, restarting=False)
+    assert state.available and state.quarantine_left == 0
+    state.record_failure("a request failed")  # the backoff starts over
+    assert 0 < state.quarantine_left <= 5
