@@ -45,8 +45,8 @@ class TransformersBackend:
         self._warmup_s: dict[str, float] = {}
         self.gate_key = "transformers-compiled" if self.checkpoint.compiled_decode else "transformers"
         self.stall_s = load.engine_stall_s
-        #: the one-at-a-time engines the supervisor watches, and those given up on until they serve again
-        self._supervised: dict[str, SerialEngine] = {}
+        #: the engines the supervisor watches, and those given up on until they serve again
+        self._supervised: dict[str, SerialEngine | ContinuousBatchingEngine] = {}
         self._down: set[str] = set()
         self._closing = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="transformers-supervisor", daemon=True)
@@ -73,10 +73,9 @@ class TransformersBackend:
             engine = self._loop_engine(spec, model, details, progress)
         else:
             engine = self._generate_engine(spec, model, details, progress)
-        if isinstance(engine, SerialEngine):
-            self._supervised[spec.name] = engine
-            if not self._supervisor.is_alive() and not self._closing.is_set():
-                self._supervisor.start()
+        self._supervised[spec.name] = engine
+        if not self._supervisor.is_alive() and not self._closing.is_set():
+            self._supervisor.start()
         return BuiltMode(engine, details, self.checkpoint.step_cost(self.weights.nbytes(spec.weights)))
 
     def _draft_variant(self, spec: ModeSpec, details: dict[str, Any]) -> str | None:
@@ -143,8 +142,9 @@ class TransformersBackend:
     def _supervise(self) -> None:
         """Every :data:`SUPERVISE_S`: an engine whose worker thread exited or whose step has run past
         ``--engine-stall-s`` leaves the pool (its mode ``restarting``), its requests are answered, and a new
-        worker serves once the old thread is gone, up to :data:`MAX_RESTARTS` times; then the mode is
-        ``unavailable`` with the reason."""
+        worker serves once the old thread is gone, up to :data:`MAX_RESTARTS` times; then, or at once for an
+        engine that cannot be started again (continuous batching), the mode is ``unavailable`` with the
+        reason."""
         while not self._closing.wait(SUPERVISE_S):
             for name, engine in list(self._supervised.items()):
                 if name in self._down:
@@ -159,12 +159,12 @@ class TransformersBackend:
                 if why is None:
                     continue
                 reason = f"transformers engine {name}: {why}"
-                restarting = engine.counters["engine_restarts"] < MAX_RESTARTS
+                restarting = engine.restartable and engine.counters["engine_restarts"] < MAX_RESTARTS
                 log.warning("%s; %d restart(s) so far", reason, engine.counters["engine_restarts"])
                 engine.counters["engine_deaths"] += 1
                 # out of the pool before its requests are answered, so that none is retried on it
-                engine.report_health(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} "
-                                     "restarts", restarting)
+                engine.report_health(reason if restarting else f"{reason}; not started again" + (
+                    f" after {MAX_RESTARTS} restarts" if engine.restartable else ""), restarting)
                 engine.abandon(reason)
                 if restarting:
                     self._down.add(name)

@@ -89,3 +89,28 @@ def test_a_dead_or_wedged_worker_is_answered_and_replaced(registry):
     assert outcome(send(engine, ids))[:2] == ("done", expected)
     assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (2, 2)
     assert state.describe("transformers")["stats"]["engine_deaths"] == 2
+
+
+def test_a_continuous_batching_manager_that_stops_leaves_its_mode_unavailable():
+    """transformers' manager thread ends on an error in a batch step: its request is answered, and the mode is
+    unavailable with the reason (a stopped manager is not started again), so no later request waits on it."""
+    load = LoadConfig(backend="transformers", device="cpu", dtype="float32", max_model_len=512, staged=False)
+    reg = ModeRegistry(PRESETS["demo"], [m for m in load_modes() if m.name == "continuous_batching"], load)
+    reg.load(progress=lambda line: None)
+    try:
+        state = reg.modes["continuous_batching"]
+        engine = state.engine
+
+        def broken_step():
+            raise RuntimeError("a batch step failed")
+
+        engine._manager_step = broken_step
+        req = send(engine, [1, 2, 3, 4])
+        kind, tokens, info = outcome(req)
+        assert kind == "error" and tokens == []
+        wait_for(lambda: state.status == "unavailable")
+        assert "manager stopped" in state.reason and "not started again" in state.reason
+        assert engine.in_flight == 0 and engine.counters["engine_deaths"] == 1
+        assert state.describe("transformers")["status"] == "unavailable"
+    finally:
+        reg.close()

@@ -15,6 +15,7 @@ copy, its forward pass serialized across the engines' threads.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -144,7 +145,14 @@ class ContinuousBatchingEngine(Engine):
 
     The manager's generation config is fixed at start, so this mode serves plain greedy requests only; the
     controller's capability gate keeps requests that set any decoding option away from it.
+
+    Supervised by its backend like the one-at-a-time engines (:meth:`fault`, :meth:`abandon`), but not started
+    again: transformers keeps one manager per model and hands the stopped one back, so a mode whose manager
+    thread ended or wedged is ``unavailable`` with the reason, its requests answered.
     """
+
+    #: whether :meth:`abandon` then ``resume()`` brings it back (the supervisor asks)
+    restartable = False
 
     capabilities = frozenset()
     preallocated_kv = True  # the paged block pool is reserved at start
@@ -178,15 +186,19 @@ class ContinuousBatchingEngine(Engine):
         self.manager.start()
         self.page_size = page_size
         self.kv_capacity = num_blocks * page_size  # tokens of the pool as configured (transformers rounds to sectors)
-        self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0, "engine_deaths": 0,
+                         "engine_restarts": 0}
         self._active: dict[str, tuple[GenRequest, int]] = {}
         self._active_lock = threading.Lock()
         self._stop = threading.Event()
+        self._stepped_at = time.monotonic()  # when the manager's last batch step began (what fault() reads)
         self._router = threading.Thread(target=self._route, name=f"engine-{name}-router", daemon=True)
         self._router.start()
 
     def _enqueue(self, req: GenRequest) -> None:
         with self._active_lock:
+            if not self._active:  # idle until now: no step was due
+                self._stepped_at = time.monotonic()
             self._active[req.id] = (req, 0)
             self.counters["max_concurrent"] = max(self.counters["max_concurrent"], len(self._active))
         accepted = self.manager.add_request(
@@ -199,6 +211,7 @@ class ContinuousBatchingEngine(Engine):
 
     def _metered_manager_step(self) -> None:
         """One step of the manager's batch, metered: each request's part is its query tokens at its KV length."""
+        self._stepped_at = time.monotonic()
         if self.energy is None:
             return self._manager_step()
         io = self.manager.batch_processor.inputs_and_outputs
@@ -270,10 +283,36 @@ class ContinuousBatchingEngine(Engine):
     def stats(self) -> dict[str, Any]:
         return dict(self.counters)
 
+    def fault(self, stall_s: float) -> str | None:
+        """Why the engine cannot serve any more, or None: transformers' manager thread ended (an error it
+        caught: it fails the requests it held), our router thread ended, or a batch step has run past ``stall_s``
+        with requests waiting on it."""
+        if self._stop.is_set():
+            return None
+        if not self.manager.is_running():
+            error = getattr(self.manager.background_thread_status, "fatal_error", None)
+            return f"transformers' continuous-batching manager stopped ({error!r})"
+        if not self._router.is_alive():
+            return "its router thread exited"
+        held = time.monotonic() - self._stepped_at
+        if stall_s > 0 and self._active and held > stall_s:
+            return f"one batch step has run {held:.0f} s (more than --engine-stall-s {stall_s:g})"
+        return None
+
+    def abandon(self, reason: str) -> None:
+        """Answer every request on it with ``reason`` and stop the manager without waiting for a wedged step."""
+        self._stop.set()
+        with self._active_lock:
+            pending = [req for req, _ in self._active.values()]
+            self._active.clear()
+        for req in pending:
+            req.emit("error", error=reason)
+        self.manager.stop(block=False)
+
     def close(self) -> None:
         self._stop.set()
         self._router.join(timeout=5)
-        self.manager.stop(block=True)
+        self.manager.stop(block=True, timeout=30)
         with self._active_lock:
             pending = [req for req, _ in self._active.values()]
             self._active.clear()
