@@ -98,6 +98,7 @@ def keep_heap_trimmed(every_s: float = TRIM_S) -> None:
     takes milliseconds."""
     if any(t.name == "modeswitch-heap-trim" for t in threading.enumerate()) or not trim_heap():
         return
+
     def run() -> None:
         while True:
             time.sleep(every_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -161,6 +162,15 @@ class KvUse(NamedTuple):
     pool: object
     held: int
     capacity: int
+
+
+def stalled(since: float | None, bound_s: float) -> str | None:
+    """Why an engine counts as wedged, or None: the step under way began at ``since`` (``time.monotonic()``;
+    None: no step under way) and has run longer than ``bound_s`` (``--engine-stall-s``; 0: never). Every
+    backend's supervisor asks it of its engines, twice a second."""
+    if bound_s > 0 and since is not None and (elapsed := time.monotonic() - since) > bound_s:
+        return f"one step has run {elapsed:.0f} s (more than --engine-stall-s {bound_s:g})"
+    return None
 
 
 def paged_tokens(lengths: Iterable[int], block: int) -> int:

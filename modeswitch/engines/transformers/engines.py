@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from ..base import Engine, GenRequest, KvUse, paged_tokens
+from ..base import Engine, GenRequest, KvUse, paged_tokens, stalled
 from ..grammar import Grammars
 from .prefix_kv import PrefixKVStore
 from .processors import Decoding, stop_ids
@@ -294,10 +294,7 @@ class ContinuousBatchingEngine(Engine):
             return f"transformers' continuous-batching manager stopped ({error!r})"
         if not self._router.is_alive():
             return "its router thread exited"
-        held = time.monotonic() - self._stepped_at
-        if stall_s > 0 and self._active and held > stall_s:
-            return f"one batch step has run {held:.0f} s (more than --engine-stall-s {stall_s:g})"
-        return None
+        return stalled(self._stepped_at if self._active else None, stall_s)
 
     def abandon(self, reason: str) -> None:
         """Answer every request on it with ``reason`` and stop the manager without waiting for a wedged step."""

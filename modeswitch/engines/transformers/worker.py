@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..base import Engine, GenRequest, spec_tokens_per_step
+from ..base import Engine, GenRequest, spec_tokens_per_step, stalled
 from ..grammar import Grammars
 from .prefix_kv import PrefixKVStore
 
@@ -78,7 +78,8 @@ class SerialEngine(Engine):
         self._current: GenRequest | None = None
         self._stepped_at = time.monotonic()
         self._given_up: threading.Thread | None = None  # a worker given up on, until it has left
-        self._worker = self._start_worker()
+        self._worker: threading.Thread | None = None
+        self._start_worker()
 
     def _enqueue(self, req: GenRequest) -> None:
         self._queue.put(req)
@@ -99,11 +100,10 @@ class SerialEngine(Engine):
             raise value
         return value
 
-    def _start_worker(self) -> threading.Thread:
+    def _start_worker(self) -> None:
         thread = threading.Thread(target=self._loop, args=(self._queue,), name=f"engine-{self.name}", daemon=True)
         self._worker = thread  # before it runs: the loop serves while it is its engine's worker
         thread.start()
-        return thread
 
     def _loop(self, requests: queue.Queue) -> None:
         me = threading.current_thread()
@@ -146,10 +146,7 @@ class SerialEngine(Engine):
             return None
         if not worker.is_alive():
             return "its worker thread exited"
-        held = time.monotonic() - self._stepped_at
-        if stall_s > 0 and self._current is not None and held > stall_s:
-            return f"one step has run {held:.0f} s (more than --engine-stall-s {stall_s:g})"
-        return None
+        return stalled(self._stepped_at if self._current is not None else None, stall_s)
 
     def abandon(self, reason: str) -> None:
         """Give up on the worker: the request it serves and every request queued get an error (a request that has

@@ -36,7 +36,8 @@ import psutil
 
 from ... import logs
 from ...device import processes_memory
-from ..base import OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens, spec_tokens_per_step
+from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
+                    spec_tokens_per_step, stalled)
 from ..grammar import JSON_OBJECT
 from . import plugin
 from .paged_prefix import PagedPrefixShadow
@@ -216,10 +217,7 @@ class VllmRunner:
     def stalled(self, bound_s: float) -> str | None:
         """Why the engine counts as wedged (the step under way has run longer than ``bound_s``: a process stopped,
         deadlocked or stuck in a call that never returns), or None. Cheap: the supervisor asks twice a second."""
-        since = self._step_since
-        if bound_s > 0 and since is not None and (elapsed := time.monotonic() - since) > bound_s:
-            return f"no step finished in {elapsed:.0f} s (wedged)"
-        return None
+        return stalled(self._step_since, bound_s)
 
     def kill(self) -> None:
         """SIGKILL its processes (a wedged engine answers nothing else; a stopped process not even SIGTERM)."""

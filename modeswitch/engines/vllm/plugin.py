@@ -48,8 +48,14 @@ def register() -> None:
     from ...device import keep_heap_trimmed
 
     logs.quiet_libraries()
-    if os.environ.get(SERVER_ENV) and str(os.getpid()) != os.environ[SERVER_ENV]:
+    if in_engine_process():
         keep_heap_trimmed()  # what loading the weights and compiling the graphs freed goes back to the system
+
+
+def in_engine_process() -> bool:
+    """An engine's process of a ModeSwitch server, not the server itself (which loads the plugin too)."""
+    server = os.environ.get(SERVER_ENV)
+    return bool(server) and str(os.getpid()) != server
 
 
 def leave_with_parent() -> None:
@@ -60,9 +66,7 @@ def leave_with_parent() -> None:
     starts engines from threads that end. Idempotent."""
     import threading
 
-    server = os.environ.get(SERVER_ENV)
-    if not server or str(os.getpid()) == server or any(t.name == "modeswitch-parent-watch"
-                                                       for t in threading.enumerate()):
+    if not in_engine_process() or any(t.name == "modeswitch-parent-watch" for t in threading.enumerate()):
         return
     parent = os.getppid()
 
