@@ -140,11 +140,11 @@ class TransformersBackend:
 
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
-        """Every :data:`SUPERVISE_S`: an engine whose worker thread exited or whose step has run past
-        ``--engine-stall-s`` leaves the pool (its mode ``restarting``), its requests are answered, and a new
-        worker serves once the old thread is gone, up to :data:`MAX_RESTARTS` times; then, or at once for an
-        engine that cannot be started again (continuous batching), the mode is ``unavailable`` with the
-        reason."""
+        """Every :data:`SUPERVISE_S`: an engine that cannot serve any more (a one-at-a-time engine's worker thread
+        exited, continuous batching's manager or router thread ended, or a step ran past ``--engine-stall-s``)
+        leaves the pool (its mode ``restarting``), its requests are answered, and it serves again once its old
+        thread is gone (:meth:`resume`: a new worker, or a new manager), up to :data:`MAX_RESTARTS` times; then the
+        mode is ``unavailable`` with the reason."""
         while not self._closing.wait(SUPERVISE_S):
             for name, engine in list(self._supervised.items()):
                 if name in self._down:
@@ -159,12 +159,12 @@ class TransformersBackend:
                 if why is None:
                     continue
                 reason = f"transformers engine {name}: {why}"
-                restarting = engine.restartable and engine.counters["engine_restarts"] < MAX_RESTARTS
+                restarting = engine.counters["engine_restarts"] < MAX_RESTARTS
                 log.warning("%s; %d restart(s) so far", reason, engine.counters["engine_restarts"])
                 engine.counters["engine_deaths"] += 1
                 # out of the pool before its requests are answered, so that none is retried on it
-                engine.report_health(reason if restarting else f"{reason}; not started again" + (
-                    f" after {MAX_RESTARTS} restarts" if engine.restartable else ""), restarting)
+                engine.report_health(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} "
+                                     "restarts", restarting)
                 engine.abandon(reason)
                 if restarting:
                     self._down.add(name)

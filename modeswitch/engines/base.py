@@ -206,7 +206,7 @@ class Engine(ABC):
     def watch(self, watcher: Callable[[str | None, bool], None]) -> None:
         """Have ``watcher(down, restarting)`` called when the engine goes down (``down`` says why; ``restarting``:
         it is being started again) and when it is back up (``down`` None). Their backends' supervisors report it
-        for vLLM's engines and the transformers one-at-a-time engines."""
+        for vLLM's engines and the transformers engines."""
         self._watchers.append(watcher)
 
     def report_health(self, down: str | None, restarting: bool = False) -> None:

@@ -1,14 +1,16 @@
 """Supervision of the transformers engines (the demo model, in this process): a worker thread that exits and
 a step that runs past ``--engine-stall-s`` take the mode out of the pool, answer its requests, and a new worker
-serves again, the same tokens as before."""
+(for continuous batching, a new manager) serves again, the same tokens as before."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 from transformers import AutoTokenizer
 
+from modeswitch.backends.base import SUPERVISE_S
 from modeswitch.config import LoadConfig
 from modeswitch.engines.base import GenRequest, SamplingParams
 from modeswitch.modes import load_modes
@@ -91,26 +93,52 @@ def test_a_dead_or_wedged_worker_is_answered_and_replaced(registry):
     assert state.describe("transformers")["stats"]["engine_deaths"] == 2
 
 
-def test_a_continuous_batching_manager_that_stops_leaves_its_mode_unavailable():
-    """transformers' manager thread ends on an error in a batch step: its request is answered, and the mode is
-    unavailable with the reason (a stopped manager is not started again), so no later request waits on it."""
-    load = LoadConfig(backend="transformers", device="cpu", dtype="float32", max_model_len=512, staged=False)
+def test_a_continuous_batching_manager_that_stops_or_wedges_is_replaced():
+    """transformers' manager thread ends on an error in a batch step, or a step runs past ``--engine-stall-s``:
+    the requests on it are answered, the mode is ``restarting``, and a new manager serves the same tokens."""
+    load = LoadConfig(backend="transformers", device="cpu", dtype="float32", max_model_len=512, engine_stall_s=5.0,
+                      staged=False)
     reg = ModeRegistry(PRESETS["demo"], [m for m in load_modes() if m.name == "continuous_batching"], load)
     reg.load(progress=lambda line: None)
     try:
         state = reg.modes["continuous_batching"]
         engine = state.engine
+        health: list[tuple[str, str | None]] = []  # the mode's status as each report leaves it, and the reason
+        engine.watch(lambda down, restarting: health.append((state.status, down)))
+        ids = AutoTokenizer.from_pretrained(reg.backend.weights.ref("fp16"))("The capital of France is").input_ids
+        kind, expected, _ = outcome(send(engine, ids))
+        assert kind == "done" and expected, _
+        first = engine.manager
 
-        def broken_step():
+        def broken_step():  # the next manager steps as before
             raise RuntimeError("a batch step failed")
 
         engine._manager_step = broken_step
-        req = send(engine, [1, 2, 3, 4])
-        kind, tokens, info = outcome(req)
-        assert kind == "error" and tokens == []
-        wait_for(lambda: state.status == "unavailable")
-        assert "manager stopped" in state.reason and "not started again" in state.reason
-        assert engine.in_flight == 0 and engine.counters["engine_deaths"] == 1
-        assert state.describe("transformers")["status"] == "unavailable"
+        assert [outcome(r)[:2] for r in (send(engine, ids), send(engine, ids))] == [("error", [])] * 2
+        wait_for(lambda: len(health) == 2)  # down, then back up
+        (status, down), back = health
+        assert status == "restarting" and "manager stopped" in down and "a batch step failed" in down
+        assert back == ("available", None) and engine.manager is not first and engine.in_flight == 0
+        assert outcome(send(engine, ids))[:2] == ("done", expected)
+        assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (1, 1)
+
+        second, step, release = engine.manager, engine._manager_step, threading.Event()
+
+        def wedged_step():  # no step until released, long after it has been given up on
+            release.wait()
+            step()
+
+        engine._manager_step = wedged_step
+        kind, tokens, info = outcome(send(engine, ids))
+        assert kind == "error" and tokens == [] and "one step has run" in info["error"]
+        assert state.status == "restarting" and "--engine-stall-s 5" in state.reason
+        time.sleep(3 * SUPERVISE_S)  # no new manager beside the wedged one's thread
+        assert state.status == "restarting" and engine.manager is second and second.is_running()
+        release.set()  # its thread leaves after this step
+        wait_for(lambda: state.available)
+        assert not second.is_running() and engine.manager is not second
+        assert outcome(send(engine, ids))[:2] == ("done", expected)
+        assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (2, 2)
+        assert state.describe("transformers")["stats"]["engine_restarts"] == 2
     finally:
         reg.close()

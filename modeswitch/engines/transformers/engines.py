@@ -14,6 +14,7 @@ copy, its forward pass serialized across the engines' threads.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -146,13 +147,13 @@ class ContinuousBatchingEngine(Engine):
     The manager's generation config is fixed at start, so this mode serves plain greedy requests only; the
     controller's capability gate keeps requests that set any decoding option away from it.
 
-    Supervised by its backend like the one-at-a-time engines (:meth:`fault`, :meth:`abandon`), but not started
-    again: transformers keeps one manager per model and hands the stopped one back, so a mode whose manager
-    thread ended or wedged is ``unavailable`` with the reason, its requests answered.
+    Supervised by its backend like the one-at-a-time engines (:meth:`fault`, :meth:`abandon`, :meth:`resume`): a
+    manager whose thread ended or whose batch step wedged is told to stop at once, its requests are answered, and a
+    new manager (its own paged cache, queues and router thread) starts once the old manager's thread has left, so
+    two managers never step on the shared model together. ``init_continuous_batching`` builds a new manager each
+    time: transformers hands a manager back only if it was stopped with ``keep_for_next_session``, which this
+    engine never asks for.
     """
-
-    #: whether :meth:`abandon` then ``resume()`` brings it back (the supervisor asks)
-    restartable = False
 
     capabilities = frozenset()
     preallocated_kv = True  # the paged block pool is reserved at start
@@ -165,34 +166,47 @@ class ContinuousBatchingEngine(Engine):
 
         super().__init__(max_queue)
         self.name = name
+        self.model = model
         self.batch_slots = max_queue  # any request it accepts joins the batch, as its KV pool allows
         self.eos = eos_ids(model)
-        gen_config = GenerationConfig(
+        self._gen_config = GenerationConfig(
             do_sample=False,
             max_new_tokens=256,
             eos_token_id=sorted(self.eos) or -1,
             pad_token_id=model.generation_config.pad_token_id,
         )
-        cb_config = ContinuousBatchingConfig(
+        self._cb_config = ContinuousBatchingConfig(  # transformers resolves a copy per manager: reused as is
             num_blocks=num_blocks,
             max_batch_tokens=max_batch_tokens,
             page_size=page_size,
             auto_switch_to_flash=False,  # the model object is shared with other modes: leave its attention as is
             **(dict(use_cuda_graph=True, default_compile_level=1) if graphs else {}),
         )
-        self.manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
-        self._manager_step = self.manager._generation_step
-        self.manager._generation_step = self._metered_manager_step  # called once per batch step by its thread
-        self.manager.start()
         self.page_size = page_size
         self.kv_capacity = num_blocks * page_size  # tokens of the pool as configured (transformers rounds to sectors)
         self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0, "engine_deaths": 0,
                          "engine_restarts": 0}
         self._active: dict[str, tuple[GenRequest, int]] = {}
         self._active_lock = threading.Lock()
+        #: held while a manager starts or the engine closes, so that none starts (and reserves a pool) after
+        #: :meth:`close`: the supervisor may be resuming the engine while the server closes it
+        self._lifecycle = threading.Lock()
+        self._closed = False
+        self._start()
+
+    def _start(self) -> None:
+        """A new manager, its batch steps metered, and a router thread fanning out its outputs."""
+        self.manager = self.model.init_continuous_batching(generation_config=self._gen_config,
+                                                           continuous_batching_config=self._cb_config)
+        self._manager_step = self.manager._generation_step
+        self.manager._generation_step = self._metered_manager_step  # called once per batch step by its thread
         self._stop = threading.Event()
         self._stepped_at = time.monotonic()  # when the manager's last batch step began (what fault() reads)
-        self._router = threading.Thread(target=self._route, name=f"engine-{name}-router", daemon=True)
+        # a replaced manager whose thread failed is held, paged cache and all, by a reference cycle (the error it
+        # recorded holds its loop's frame): collected before the new thread reserves its pool, so one pool at a time
+        gc.collect()
+        self.manager.start()
+        self._router = threading.Thread(target=self._route, name=f"engine-{self.name}-router", daemon=True)
         self._router.start()
 
     def _enqueue(self, req: GenRequest) -> None:
@@ -297,16 +311,27 @@ class ContinuousBatchingEngine(Engine):
         return stalled(self._stepped_at if self._active else None, stall_s)
 
     def abandon(self, reason: str) -> None:
-        """Answer every request on it with ``reason`` and stop the manager without waiting for a wedged step."""
+        """Answer every request on it with ``reason`` and stop the manager without waiting for a wedged step: a hard
+        stop, so that its thread leaves after the step under way instead of generating the answered requests on."""
         self._stop.set()
         with self._active_lock:
             pending = [req for req, _ in self._active.values()]
             self._active.clear()
         for req in pending:
             req.emit("error", error=reason)
-        self.manager.stop(block=False)
+        self.manager.stop(block=False, hard_stop=True)
+
+    def resume(self) -> bool:
+        """Start a new manager once the old manager's thread and the router have left; True when it serves again."""
+        with self._lifecycle:
+            if self._closed or self.manager.is_running() or self._router.is_alive():
+                return False
+            self._start()
+            return True
 
     def close(self) -> None:
+        with self._lifecycle:
+            self._closed = True
         self._stop.set()
         self._router.join(timeout=5)
         self.manager.stop(block=True, timeout=30)

@@ -57,9 +57,6 @@ class SerialEngine(Engine):
     as the two would share the model's caches (the owned loop's static KV cache).
     """
 
-    #: whether :meth:`abandon` then :meth:`resume` brings it back (the supervisor asks)
-    restartable = True
-
     def __init__(self, name: str, model, max_queue: int, prefix_store: PrefixKVStore | None = None,
                  grammars: Grammars | None = None) -> None:
         super().__init__(max_queue)
