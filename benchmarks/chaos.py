@@ -7,7 +7,7 @@ baseline: no kills. Then every ``--kill-every`` seconds one engine that is up ge
 process (an engine is one process); the policy is reloaded once, half-way.
 
 Per kill: seconds until the server reports the death, until the engine is up again, and the requests that were
-running on its modes when it died, by outcome. Overall: requests by outcome; ``stranded`` (no answer within
+running on its modes when it died, by outcome (``retried``: failed there and answered by another mode). Overall: requests by outcome; ``stranded`` (no answer within
 ``--timeout``, the target is 0); 5xx other than 503 (target 0); the process tree's PSS at the start and the end;
 p50 latency of plain requests in the baseline, and of those that began and ended after it outside every kill
 window (kill to engine up again) and inside one: outside over baseline is what the kills cost the requests they
@@ -118,7 +118,9 @@ class Load:
                     record["outcome"] = "error_event" if any('"error"' in t for t in text) else \
                         "ok" if text and text[-1] == "data: [DONE]" else "cut"
             elif resp.status_code == 200:
-                record["outcome"], record["mode"] = "ok", resp.json()["modeswitch"]["mode"]
+                info = resp.json()["modeswitch"]
+                record["outcome"], record["mode"] = "ok", info["mode"]
+                record["failed_on"] = [attempt.split(":", 1)[0] for attempt in info.get("attempts", ())]
             else:  # with the error's code: a 400 for a bad field, or for a mode pinned past a gate
                 record["outcome"] = f"http_{resp.status_code} {resp.json()['error'].get('code')}"
         except requests.Timeout:
@@ -193,8 +195,12 @@ def main() -> int:
             wait_stopped(proc, 300)
     records = load.records
     for kill in kills:  # the requests that were running on the killed engine's modes when it died
-        hit = [r for r in records if r["start"] <= kill["killed"] <= r["end"] and r.get("mode") in kill["modes"]]
-        kill["running_on_it"] = {o: sum(r["outcome"] == o for r in hit) for o in sorted({r["outcome"] for r in hit})}
+        on_it = set(kill["modes"])
+        hit = [r for r in records if r["start"] <= kill["killed"] <= r["end"]
+               and on_it & {r.get("mode"), *r.get("failed_on", ())}]
+        outcomes = ["retried" if r["outcome"] == "ok" and on_it & set(r.get("failed_on", ())) else r["outcome"]
+                    for r in hit]
+        kill["running_on_it"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
     windows = [(k["killed"], k["killed"] + k.get("back_s", 600)) for k in kills]
     plain = [r for r in records if r["outcome"] == "ok" and r["kind"] == "plain"]
     baseline = [r["end"] - r["start"] for r in plain if r["end"] < began]

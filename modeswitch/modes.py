@@ -39,6 +39,9 @@ class ModeSpec:
     prefix_cache_tokens: int = 8192
     batching: str = "none"
     max_queue: int = 8
+    #: vLLM on a CPU with cores to spare: run on an engine of its own (its weights again, on its own cores)
+    #: rather than share its weights' engine; a second engine to spread a burst over (see ``backends.vllm``)
+    own_engine: bool = False
     description: str = ""
     source: str = ""
 
@@ -46,7 +49,7 @@ class ModeSpec:
 def parse_mode(data, source: str) -> ModeSpec:
     sec = Section(data, source)
     sec.only({"name", "description", "weights", "decoding", "speculative", "prefix_cache", "prefix_cache_tokens",
-              "batching", "max_queue"})
+              "batching", "max_queue", "own_engine"})
     decoding = sec.get("decoding", str, "standard", DECODING)
     spec = None
     spec_sec = sec.section("speculative", None)
@@ -71,6 +74,7 @@ def parse_mode(data, source: str) -> ModeSpec:
         prefix_cache_tokens=sec.get("prefix_cache_tokens", int, 8192),
         batching=sec.get("batching", str, "none", BATCHING),
         max_queue=sec.get("max_queue", int, 8),
+        own_engine=sec.get("own_engine", bool, False),
         source=source,
     )
     if mode.max_queue < 1:

@@ -1,9 +1,13 @@
 """The vLLM backend: modes mapped onto the fewest vLLM engines, each holding its own weights and KV.
 
-vLLM engines cannot share weights, so every distinct (weights, speculative config) gets one engine (a
-:class:`~modeswitch.engines.vllm.engine.VllmRunner`) and the modes that differ only per request share it through
-their own fronts. This module decides what each engine runs: the checkpoint and quantization of a variant
-on this device, the draft, the dtype, the KV bytes and batch bound of the modes planned onto it.
+vLLM engines cannot share weights, so every set of weights (with its draft model, where a mode drafts with one)
+gets one engine (a :class:`~modeswitch.engines.vllm.engine.VllmRunner`) and the modes that differ only per request
+share it through their own fronts; n-gram speculation is one of those (the engine drafts for its speculative
+modes' requests only, see ``engines.vllm.plugin``). A mode may ask for an engine of its own (``own_engine``):
+on a CPU with two or more cores it gets one, on cores of its own, so that a burst can be spread over two engines
+on the same weights; on a GPU or a single CPU every engine shares one lane, and a second engine would only hold
+the weights twice. This module decides what each engine runs: the checkpoint and quantization of a variant on
+this device, the draft, the dtype, the KV bytes and batch bound of the modes planned onto it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ PROGRESS_S = 30.0
 CPU_ENGINE_RUNTIME_BYTES = 2**30
 
 log = logging.getLogger(__name__)
+
+
+def _affinity() -> list[int]:
+    """The CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def _launch(key: str, args: dict[str, Any], background: BackgroundStarts | None) -> VllmRunner:
@@ -103,10 +112,13 @@ class VllmBackend:
         return self.checkpoint.open()
 
     def runner_key(self, spec: ModeSpec) -> str:
-        """The engine a mode maps onto: its weights, plus its draft when it speculates."""
-        if spec.speculative is None:
-            return spec.weights
-        return f"{spec.weights}+{self.checkpoint.draft_variant(spec) or 'ngram'}-draft"
+        """The engine a mode maps onto: its weights, plus its draft model when it drafts with one; the mode's
+        own (named for it) where it asks for one and has cores to run it on (see the module's docstring)."""
+        if spec.speculative is not None and (draft := self.checkpoint.draft_variant(spec)) is not None:
+            return f"{spec.weights}+{draft}-draft"
+        if spec.own_engine and self._lanes():
+            return spec.name
+        return spec.weights
 
     def footprint(self, spec: ModeSpec) -> Footprint:
         variants = self.checkpoint.variant_bytes(spec)
@@ -157,18 +169,22 @@ class VllmBackend:
                 prepare_in_subprocess(name, idle)
                 progress(f"demo checkpoint {name} built in {time.perf_counter() - started:.0f} s")
 
-    def _engine_args(self, spec: ModeSpec, kv_bytes: int, max_num_seqs: int, cpus: list[int] | None = None,
+    def _engine_args(self, specs: list[ModeSpec], kv_bytes: int, max_num_seqs: int, cpus: list[int] | None = None,
                      eager: bool = False) -> dict[str, Any]:
-        checkpoint = self.checkpoint
-        draft = checkpoint.draft_variant(spec) if spec.speculative is not None else None
+        """vLLM's arguments for the engine of the modes ``specs`` (one set of weights): it speculates when any
+        of them does, proposing as many tokens a step as the most any asks for (each request is bounded by
+        its own mode's, see ``VllmEngine``)."""
+        checkpoint, spec = self.checkpoint, specs[0]
+        drafting = [s for s in specs if s.speculative is not None]
+        draft = checkpoint.draft_variant(drafting[0]) if drafting else None
         # every engine computes in the reference dtype (the device's native 16-bit type; fp32 where it has none or
         # ``--dtype float32``), but vLLM's CPU GPTQ kernel takes bf16/fp16 activations only, and a draft runs in its
         # target's dtype
         gptq_on_cpu = checkpoint.device.type == "cpu" and "gptq" in (spec.weights, draft)
         dtype = dtype_name(checkpoint.dtype)
         speculative = None
-        if spec.speculative is not None:
-            k = spec.speculative.num_tokens
+        if drafting:
+            k = max(s.speculative.num_tokens for s in drafting)
             speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                             "prompt_lookup_min": 2} if draft is None
                            else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
@@ -236,8 +252,8 @@ class VllmBackend:
         modes, eager = plan.users[key], self._eager(key)
         kv = plan.pools[key]
         self._build_demo_checkpoints(self._specs[modes[0]], background is not None and background.enabled, progress)
-        args = self._engine_args(self._specs[modes[0]], kv, sum(self._specs[m].max_queue for m in modes),
-                                 self._cpus(key, list(plan.users)), eager)
+        specs = [self._specs[m] for m in modes]
+        args = self._engine_args(specs, kv, sum(s.max_queue for s in specs), self._cpus(key, list(plan.users)), eager)
         started = self._began[key] = time.perf_counter()
         last = self._history.last(self._history_key(key, eager))
         progress(f"vLLM engine {key} starting for {', '.join(modes)}" +
@@ -279,7 +295,7 @@ class VllmBackend:
         if spec.speculative is not None:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")
-        engine = VllmEngine(spec.name, runner, spec.prefix_cache, spec.speculative is not None)
+        engine = VllmEngine(spec.name, runner, spec.prefix_cache, spec.speculative.num_tokens if spec.speculative else 0)
         self._fronts.setdefault(key, []).append(engine)
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)
@@ -389,14 +405,18 @@ class VllmBackend:
         its weights (the drafting one: the two a burst is spread over), then the rest. On the 2-core demo machine
         two engines on their own cores served a burst of 24 requests at 12 clients at 4.2-4.8 s mean latency
         where one engine took 7.4 s. Empty on a GPU or a single CPU (nothing to rotate)."""
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if self.checkpoint.device.type != "cpu" or len(cpus) < 2:
+        if not self._lanes():
             return []
+        cpus = _affinity()
         first = self._first or keys[0]
         weights = first.split("+")[0]
         order = sorted(keys, key=lambda k: (k != first, k.split("+")[0] != weights, keys.index(k)))
         i, width = order.index(key), len(cpus) - 1
         return [cpus[(i + j) % len(cpus)] for j in range(width)]
+
+    def _lanes(self) -> bool:
+        """Whether engines can compute on cores of their own here: a CPU with two or more."""
+        return self.checkpoint.device.type == "cpu" and len(_affinity()) > 1
 
     def resident_weights(self) -> dict[str, int]:
         """None here: every engine holds its weights in its own engine-core process (see :meth:`describe`)."""

