@@ -48,6 +48,11 @@ PROGRESS_S = 30.0
 #: (CUDA context, graphs, activations) has not been measured here: it plans weights and KV only.
 CPU_ENGINE_RUNTIME_BYTES = 2**30
 
+#: KV an engine's pool holds beyond what its modes reserve: two of vLLM's CPU KV blocks (128 tokens), for the last
+#: block of a full-length sequence and the lookahead slots an engine that drafts reserves for it; what vLLM needs to
+#: take one ``--max-model-len`` request beside the stored prefixes the plan keeps
+KV_ROUNDING_TOKENS = 256
+
 log = logging.getLogger(__name__)
 
 
@@ -124,6 +129,8 @@ class VllmBackend:
         variants = self.checkpoint.variant_bytes(spec)
         self._source(spec, build=False)
         kv, detail = self.checkpoint.kv(spec, variants)
+        kv += KV_ROUNDING_TOKENS * self.checkpoint.shape.kv_bytes_per_token
+        detail += f" + {KV_ROUNDING_TOKENS} tokens of block rounding"
         key = self.runner_key(spec)
         self._specs[spec.name] = spec  # build() sizes each engine for every mode planned onto it
         runtime = CPU_ENGINE_RUNTIME_BYTES if self.checkpoint.device.type == "cpu" else 0

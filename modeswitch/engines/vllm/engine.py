@@ -97,9 +97,7 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     """
     args: dict[str, Any] = dict(
         model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
-        # +25 %: vLLM rounds every sequence up to whole KV blocks (128 tokens on CPU) and speculative
-        # engines reserve lookahead slots; the exact plan figure leaves one max-length request short
-        kv_cache_memory_bytes=max(int(kv_bytes * 1.25), MIN_KV_BYTES),
+        kv_cache_memory_bytes=max(kv_bytes, MIN_KV_BYTES),
         max_num_seqs=max(max_num_seqs, 1), enable_prefix_caching=True, enforce_eager=enforce_eager,
         disable_log_stats=True, seed=0, worker_extension_cls=WORKER_EXTENSION,
         use_tqdm_on_load=logs.libraries_verbose(),  # its load progress bars, with its INFO lines only
