@@ -42,7 +42,7 @@ INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
 #: how often a start reports the engines still starting
 PROGRESS_S = 30.0
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
-#: oneDNN's and Inductor's caches, activations): PSS less planned weights and KV of the demo's five engines, one
+#: oneDNN's and Inductor's caches, activations): PSS less planned weights and KV of the demo's engines, one
 #: process each, measured on the 2-core demo machine: 0.9-1.1 GiB (more on the int8 engines, whose oneDNN
 #: kernels keep their own copy of the weights). On a GPU the plan counts device memory, where an engine's runtime
 #: (CUDA context, graphs, activations) has not been measured here: it plans weights and KV only.
