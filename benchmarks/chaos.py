@@ -7,11 +7,11 @@ baseline: no kills. Then every ``--kill-every`` seconds one engine that is up ge
 process (an engine is one process); the policy is reloaded once, half-way.
 
 Per kill: seconds until the server reports the death, until the engine is up again, and the requests that were
-running on its modes when it died, by outcome (``retried``: failed there and answered by another mode). Overall: requests by outcome; ``stranded`` (no answer within
-``--timeout``, the target is 0); 5xx other than 503 (target 0); the process tree's PSS at the start and the end;
-p50 latency of plain requests in the baseline, and of those that began and ended after it outside every kill
-window (kill to engine up again) and inside one: outside over baseline is what the kills cost the requests they
-did not hit (the target is at most 1.1x).
+running on its modes when it died, by outcome (``retried``: failed there and answered by another mode).
+Overall: requests by outcome; ``stranded`` (no answer within ``--timeout``, the target is 0); 5xx other than 503
+(target 0); the process tree's PSS at the start and the end; p50 latency of plain requests in the baseline, and of
+those that began and ended after it outside every kill window (kill to engine up again) and inside one: outside
+over baseline is what the kills cost the requests they did not hit (the target is at most 1.1x).
 
 With ``--replicas N`` the same runs against the Ray Serve cluster (``python -m modeswitch.cluster``, N
 replicas of the default server, each with its vLLM engines), and the engine killed is any replica's.
@@ -23,7 +23,6 @@ replicas of the default server, each with its vLLM engines), and the engine kill
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal

@@ -3,7 +3,7 @@
 vLLM engines cannot share weights, so every set of weights (with its draft model, where a mode drafts with one)
 gets one engine (a :class:`~modeswitch.engines.vllm.engine.VllmRunner`) and the modes that differ only per request
 share it through their own fronts; n-gram speculation is one of those (the engine drafts for its speculative
-modes' requests only, see ``engines.vllm.plugin``). A mode may ask for an engine of its own (``own_engine``):
+modes' requests only, see ``engines.vllm.drafting``). A mode may ask for an engine of its own (``own_engine``):
 on a CPU with two or more cores it gets one, on cores of its own, so that a burst can be spread over two engines
 on the same weights; on a GPU or a single CPU every engine shares one lane, and a second engine would only hold
 the weights twice. This module decides what each engine runs: the checkpoint and quantization of a variant on
@@ -302,7 +302,8 @@ class VllmBackend:
         if spec.speculative is not None:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")
-        engine = VllmEngine(spec.name, runner, spec.prefix_cache, spec.speculative.num_tokens if spec.speculative else 0)
+        drafts = spec.speculative.num_tokens if spec.speculative is not None else 0
+        engine = VllmEngine(spec.name, runner, spec.prefix_cache, drafts)
         self._fronts.setdefault(key, []).append(engine)
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)

@@ -42,6 +42,11 @@ def bounded_drafts(propose: Callable[[list[list[int]]], list[list[int]]], limits
     return [list(d) if limit is None else list(d[:limit]) for d, limit in zip(drafts, limits)]
 
 
+def _drafts_ngrams(speculative_config) -> bool:
+    """Whether an engine with this speculative config drafts n-grams (the proposer these bounds apply to)."""
+    return speculative_config is not None and speculative_config.method == "ngram"
+
+
 def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
     """Bound each request's n-gram drafts by ``DRAFT_TOKENS_KEY`` (the engine's model runner), and let a request
     that drafts nothing use ``min_p`` and ``logit_bias`` on a speculating engine whose config
@@ -62,8 +67,7 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
     propose = GPUModelRunner.propose_draft_token_ids
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        config = self.speculative_config
-        if config is None or config.method != "ngram" or not isinstance(sampled_token_ids, list):
+        if not _drafts_ngrams(self.speculative_config) or not isinstance(sampled_token_ids, list):
             return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         limits = [draft_limit(self.requests[rid].sampling_params) for rid in self.input_batch.req_ids]
         return bounded_drafts(lambda rows: propose(self, scheduler_output, rows, *args, **kwargs), limits,
@@ -72,9 +76,8 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
     build = gpu_model_runner.build_logitsprocs
 
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
-        config = vllm_config.speculative_config
-        if (config is None or config.method != "ngram" or not modeswitch_engine(vllm_config) or is_pooling_model
-                or custom_logitsprocs):
+        if (not _drafts_ngrams(vllm_config.speculative_config) or not modeswitch_engine(vllm_config)
+                or is_pooling_model or custom_logitsprocs):
             return build(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
         return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
 

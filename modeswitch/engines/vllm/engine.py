@@ -7,7 +7,7 @@ runner through their own :class:`VllmEngine` front (own queue bound, own statist
 * prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
   requests, so it never reads KV another mode stored;
 * speculative decoding with n-gram drafts is a per-request bound on the tokens drafted (see
-  :mod:`.plugin`): a mode that speculates drafts on the engine of its weights, the others on it draft nothing;
+  :mod:`.drafting`): a mode that speculates drafts on the engine of its weights, the others on it draft nothing;
 * continuous batching is what vLLM always does (``max_num_seqs`` per engine, the sum of its modes'
   ``max_queue``); ``batching: none`` modes share the batch too, and any mode on an engine may fill it:
   a front bounded by its own ``max_queue`` sent the 9th concurrent request of a prefix-cache policy to a
