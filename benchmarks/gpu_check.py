@@ -28,6 +28,7 @@ import json
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -57,14 +58,16 @@ CONCURRENT = 8
 class Budget:
     """Skips what would start after ``seconds`` of the run (the GPU check must end inside its 8 minutes)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.started = seconds, time.perf_counter()
+    def __init__(self, seconds: float, only: frozenset[str] = frozenset()) -> None:
+        self.seconds, self.started, self.only = seconds, time.perf_counter(), only
         self.skipped: list[str] = []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def allows(self, section: str) -> bool:
+        if self.only and section not in self.only:  # --sections: not asked for this run
+            return False
         if self.elapsed() < self.seconds:
             return True
         self.skipped.append(section)
@@ -266,6 +269,7 @@ def section(budget: Budget, name: str, fn: Callable[[], None], results: dict) ->
     except Exception as exc:  # one target failing must not cost the others their measurement
         results["errors"][name] = f"{exc.__class__.__name__}: {str(exc)[:500]}"
         print(f"[error] {name}: {results['errors'][name]}", flush=True)
+        traceback.print_exc()  # an assertion's message is often empty: the frame is what says which
 
 
 def targets(r: dict) -> list[tuple[str, str, str, bool | None]]:
@@ -335,8 +339,9 @@ def main() -> None:
     ap.add_argument("--no-acceptance", action="store_true", help="CPU: do not measure acceptance on the demo model")
     ap.add_argument("--compile", default=None, help="torch.compile mode (default: reduce-overhead on cuda, "
                     "default on cpu; 'none' runs the loop eager)")
+    ap.add_argument("--sections", default="", help="comma-separated sections to run (default: all), e.g. int8,int4")
     args = ap.parse_args()
-    budget = Budget(args.budget_s)
+    budget = Budget(args.budget_s, frozenset(filter(None, args.sections.split(","))))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     compile_mode = args.compile or ("reduce-overhead" if device.type == "cuda" else "default")
