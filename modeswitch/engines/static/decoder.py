@@ -73,17 +73,6 @@ class _PinnedLayer(StaticLayer):
         return self.start
 
 
-def _cudagraph_state_for_this_thread() -> None:
-    """Give this thread the CUDA-graph trees' managers. Inductor keeps them in thread-local state that only the
-    thread which first imported its module gets, so a second engine's worker thread failed its first graph
-    with a bare ``AssertionError`` (``torch._C._is_key_in_tls``). Each thread gets its own managers, as that
-    thread would have had it imported the module (its graphs are replayed on it alone)."""
-    from torch._inductor import cudagraph_trees
-
-    if not hasattr(cudagraph_trees.local, "tree_manager_containers"):
-        cudagraph_trees._initialize_tls(cudagraph_trees.local)
-
-
 @dataclass
 class KVSnapshot:
     """KV of the first ``length`` positions, copied out of a static cache (what the prefix store keeps).
@@ -209,11 +198,8 @@ class StaticDecoder:
         return n
 
     def warm_up(self) -> float:
-        """Run (and so compile) every step shape this decoder uses; returns the seconds it took. Called on the
-        thread that will replay the steps."""
+        """Run (and so compile) every step shape this decoder uses; returns the seconds it took."""
         started = time.perf_counter()
-        if self.device.type == "cuda":
-            _cudagraph_state_for_this_thread()
         for _ in range(3 if self.device.type == "cuda" else 1):  # CUDA graph trees record on a later call
             self.prefill([0] * min(self.chunk, 8))
             self.decode(0, 8)
