@@ -17,7 +17,12 @@ tokens as the batch grows). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's W
 speculation: the static configuration of ModeSwitch's fastest mode, to tell the controller's part from the
 weights'.
 
-    .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer]
+``--pinned`` measures the controller's own worth: after each ModeSwitch server's own traces, the same server
+(started once, its engines warm and measured) runs the same traces with every request pinned to one mode, for
+every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives the best pinned
+mode's mean over the adaptive one's, per phase. ``--vllm ROW`` runs only the named static rows (repeatable).
+
+    .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer] [--pinned]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.client import pct, send  # noqa: E402
 from modeswitch.bench.phases import phases  # noqa: E402
 from modeswitch.bench.report import processor, save_results  # noqa: E402
+from modeswitch.device import machine  # noqa: E402
 from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
 
@@ -63,12 +69,13 @@ def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
     return servers
 
 
-def run_trace(server: Server, tokenizer, run: int) -> list[dict]:
-    """Every phase of run ``run`` in order, each at its own concurrency; records tagged with phase and wall time."""
+def run_trace(server: Server, tokenizer, run: int, mode: str | None = None) -> list[dict]:
+    """Every phase of run ``run`` in order, each at its own concurrency (every request pinned to ``mode`` if
+    given); records tagged with phase and wall time."""
     records = []
     for phase in phases(tokenizer, run):
         t0 = time.perf_counter()
-        got = send(server.url, list(phase.slots), concurrency=phase.concurrency)
+        got = send(server.url, list(phase.slots), mode=mode, concurrency=phase.concurrency)
         wall = time.perf_counter() - t0
         for r in got:
             r.update(phase=phase.name, phase_wall_s=wall, run=run)
@@ -78,6 +85,13 @@ def run_trace(server: Server, tokenizer, run: int) -> list[dict]:
                                f"{failed[0]['error']}")
         records += got
     return records
+
+
+def available_modes(url: str) -> list[str]:
+    """The modes a ModeSwitch server has available, in its /v1/modes order."""
+    import requests
+
+    return [m["name"] for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"] if m["status"] == "available"]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -103,6 +117,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="times the whole sequence of servers runs")
     ap.add_argument("--w8a8-peer", action="store_true", help="add vLLM's server on the W8A8 checkpoint + n-gram")
     ap.add_argument("--only", action="append", default=None, help="a server's label to run (repeatable; default: all)")
+    ap.add_argument("--pinned", action="store_true", help="also run each ModeSwitch server pinned to each of its modes")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -127,11 +142,15 @@ def main() -> int:
                 try:
                     server.start(model_dir, args.model, Path(tmp))
                     run_trace(server, tokenizer, WARMUP_RUN + rnd)
+                    pinned = available_modes(server.url) if args.pinned and server.flags is not None else []
                     for i in range(args.repeats):
-                        got = run_trace(server, tokenizer, rnd * args.repeats + i)
-                        records[server.label] += got
-                        mean = statistics.fmean(r["latency_s"] for r in got)
-                        print(f"  round {rnd}, {server.label}, run {i}: mean {mean:.3f} s", flush=True)
+                        # the adaptive run, then the same prompts pinned to each mode: drift hits every row alike
+                        for mode in [None, *pinned]:
+                            label = server.label if mode is None else f"{server.label} pinned {mode}"
+                            got = run_trace(server, tokenizer, rnd * args.repeats + i, mode)
+                            records.setdefault(label, []).extend(got)
+                            mean = statistics.fmean(r["latency_s"] for r in got)
+                            print(f"  round {rnd}, {label}, run {i}: mean {mean:.3f} s", flush=True)
                 finally:
                     server.stop()
                 served[server.label].update(server.served)
@@ -139,8 +158,9 @@ def main() -> int:
     table = report(summary)
     print(table)
     stem = save_results(args.out, f"changing_{Path(args.model).name}", args.tag,
-                        {"model": args.model, "processor": processor(), "repeats": args.repeats, "rounds": args.rounds,
-                         "summary": summary,
+                        {"model": args.model, "processor": processor(), "cpu_flags": machine(), "repeats": args.repeats,
+                         "rounds": args.rounds, "summary": summary,
+                         "decision_us": decision_us(records),
                          "requests_by_mode": {k: dict(v) for k, v in served.items()},
                          "records": {label: [compact(r) for r in rs] for label, rs in records.items()}},
                         f"# A changing workload ({args.model}, {processor()})\n\n{args.rounds} round(s) x {args.repeats} "
@@ -151,7 +171,18 @@ def main() -> int:
 
 PHASES = ("lull", "burst", "shared_prefix", "lull2", "overall")
 #: what a saved record keeps of the features a ModeSwitch server decided on
-KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain")
+KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain",
+                 "in_flight_by_mode")
+
+
+def decision_us(records: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per ModeSwitch row that decided (not pinned), the controller's decision time: p50 and p90 in us."""
+    out = {}
+    for label, rs in records.items():
+        us = sorted(r["decision_us"] for r in rs if r.get("decision_us") is not None)
+        if us and " pinned " not in label:
+            out[label] = {"p50": statistics.median(us), "p90": pct(us, 0.9), "n": len(us)}
+    return out
 
 
 def compact(record: dict) -> dict:
@@ -181,8 +212,9 @@ def report(summary: dict[str, dict[str, dict]]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     reference = [label for label in summary if label.startswith(f"vLLM {REFERENCE_DTYPE}")]
     every = [label for label in summary if label.startswith("vLLM")]
-    for label in (l for l in summary if l not in every):
-        for name, static in (("reference-dtype vLLM", reference), ("any vLLM row", every)):
+    for label in (l for l in summary if l not in every and " pinned " not in l):
+        pinned = [l for l in summary if l.startswith(f"{label} pinned ")]
+        for name, static in (("reference-dtype vLLM", reference), ("any vLLM row", every), ("pinned mode", pinned)):
             if not static:
                 continue
             cells = []

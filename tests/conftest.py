@@ -26,7 +26,7 @@ from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
 from modeswitch.engines.vllm.engine import vllm_installed
-from modeswitch.serving.launcher import ROOT, Launched, launch_server, wait_stopped
+from modeswitch.serving.launcher import ROOT, Launched, launch_server, wait_calibrated, wait_stopped
 from modeswitch.testing.backend import FakeBackend
 
 FP16_QUEUE = 2  # the test server's fp16 queue bound, small enough to saturate
@@ -93,18 +93,19 @@ class App:
 def make_app(tmp_path):
     """``make_app(modes=..., policy=YAML text, scripts={mode: Script}, unavailable={mode: reason}, **http)``;
     ``staged=True, held=(modes,)``: a staged start whose held modes load once ``app.backend.release`` is set;
-    ``kernels={mode: card}``: what a mode's engine reports its linears run."""
+    ``kernels={mode: card}``: what a mode's engine reports its linears run; ``calibrate=True``: each engine
+    measures its costs once its modes are up (off by default: it submits requests of its own)."""
     made: list[App] = []
 
     def make(modes=DEFAULT_FAKE_MODES, policy: str | None = None, scripts=None, unavailable=None,
              context_length: int = 2048, modes_dirs=(), admin_dirs=(), staged: bool = False, held=(),
-             kernels=None, **http) -> App:
+             kernels=None, calibrate: bool = False, **http) -> App:
         policy_file = tmp_path / "policies" / f"policy{len(made)}.yaml"
         policy_file.parent.mkdir(exist_ok=True)
         policy_file.write_text(policy or f"name: test\nrules: []\ndefault: [{modes[0]}]\n")
         config = ServerConfig(model="demo", modes=tuple(modes), modes_dirs=tuple(modes_dirs), policy=policy_file,
                               gate_report="none", admin_dirs=tuple(admin_dirs), http=HttpConfig(**http),
-                              load=LoadConfig(staged=staged))
+                              load=LoadConfig(staged=staged), costs_file=tmp_path / f"costs{len(made)}.json", calibrate=calibrate)
         backend = FakeBackend(scripts, unavailable, context_length, held=held, kernels=kernels)
         app = App(build_app(config, progress=lambda s: None, backend=backend), backend, policy_file)
         made.append(app)
@@ -163,9 +164,10 @@ def launch_transformers_server(tmp: Path) -> tuple[Launched, Path]:
         "name: speculative_draft_model\nweights: fp16\ndecoding: speculative\nspeculative: {draft: model}\n")
     policy = tmp / "policy.yaml"
     shutil.copy(ROOT / "policies" / "paper.yaml", policy)
+    # paper.yaml keeps its listed order: the engines' measured costs would order nothing here
     return launch_server(tmp, "--model", "demo", "--backend", "transformers", "--modes-dir", str(modes),
                          "--modes-dir", str(extra), "--policy", str(policy), "--gate-report", "none",
-                         *REFERENCE_DTYPE), policy
+                         "--no-calibrate", *REFERENCE_DTYPE), policy
 
 
 @dataclass
@@ -220,5 +222,8 @@ def server(launches) -> Server:
 
 @pytest.fixture(scope="session")
 def vllm_server(launches) -> str:
+    """The vLLM server once every engine has also measured its costs: its calibration requests never run beside a
+    test's (a test counting a mode's requests or its in-flight ones would count them)."""
     launches.vllm.wait_ready(wait_s=900)
+    wait_calibrated(launches.vllm.url, 900)
     return launches.vllm.url

@@ -77,7 +77,8 @@ def modes():
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                     "quality_gate": gate, "memory": service.registry.memory(),
                     "startup_seconds": service.registry.startup_seconds(), "backend": service.registry.backend_name,
-                    "engines": service.registry.engines(), "speculation": service.speculation.describe()})
+                    "engines": service.registry.engines(), "speculation": service.speculation.describe(),
+                    "costs": service.costs.describe()})
 
 
 # ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)

@@ -15,7 +15,7 @@ import psutil
 import requests
 
 from ..device import resolve_device_dtype
-from ..serving.launcher import ROOT, free_port, start_server, wait_loaded, wait_stopped
+from ..serving.launcher import ROOT, free_port, start_server, wait_calibrated, wait_loaded, wait_stopped
 from ..weights.precision import dtype_name
 
 CLI = str(ROOT / "benchmarks" / "vllm_cli.py")
@@ -90,6 +90,7 @@ class Server:
     url: str = ""
     start_s: float = 0.0
     loaded_s: float = 0.0  # a staged start: until every mode is up (the measurement waits for it)
+    calibrated_s: float = 0.0  # until every engine has measured its costs (the measurement waits for that too)
     served: dict[str, int] = field(default_factory=dict)
     #: the checkpoint vLLM's own server loads instead of the reference weights (e.g. a W8A8 one)
     checkpoint: str | None = None
@@ -108,6 +109,8 @@ class Server:
             self.start_s = time.perf_counter() - t0
             wait_loaded(self.url)  # measured with every mode up
             self.loaded_s = time.perf_counter() - t0
+            wait_calibrated(self.url)  # and every engine's costs measured
+            self.calibrated_s = time.perf_counter() - t0
 
     def stop(self) -> None:
         if self.proc is None:

@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 
 from ..yamlconf import ConfigError
 from .completed import Completed, Observer
+from .costs import CostModel
 from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
@@ -47,17 +48,20 @@ class Decision:
     policy: str = ""
     decision_us: float = 0.0
     rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
-    prediction: Mapping | None = None  # a learned policy's expectation for the chosen mode
+    prediction: Mapping | None = None  # what the policy expected of the chosen mode (and of the runner-up)
 
 
 class Controller:
     def __init__(self, modes: Mapping[str, ModeView], policy: Policy, kv_bytes_per_token: int = 0,
-                 defined_modes: Sequence[str] = ()) -> None:
+                 defined_modes: Sequence[str] = (), costs: CostModel | None = None) -> None:
         """``modes``: the resident modes by name, read at every decision (the registry's live views).
         ``kv_bytes_per_token``: the model's KV size, for the memory gate's estimate of what a request needs.
-        ``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset)."""
+        ``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset).
+        ``costs``: what each mode's engine measured, from which a policy may order modes by predicted time
+        (default: an empty model, kept nowhere)."""
         self.modes = modes
         self.policy = policy
+        self.costs = costs if costs is not None else CostModel()
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
         self.gates = gates(kv_bytes_per_token)
@@ -112,7 +116,7 @@ class Controller:
                                      filtered[pinned].code)
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
         else:
-            choice = policy.choose(features, filtered)
+            choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step))
             if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
                 mode, why, rule = stand_in
                 reason, prediction = f"policy {policy.name}: {choice.reason}; {why}", None
@@ -136,8 +140,9 @@ class Controller:
         self.policy.observe(completed)
 
     def close(self) -> None:
-        """Persist what the policy has learned (server shutdown)."""
+        """Persist what the policy has learned and the costs measured (server shutdown)."""
         self.policy.save()
+        self.costs.save()
 
     def _stand_in(self, policy: Policy, features: Features,
                   filtered: Mapping[str, Verdict]) -> tuple[str, str, str] | None:

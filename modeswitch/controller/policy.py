@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from ..yamlconf import Section
 from .completed import Completed
@@ -23,7 +23,7 @@ class Choice:
     mode: str | None
     reason: str
     rule: str | None
-    prediction: Mapping[str, Any] | None = None  # what a learned policy expected of the mode it chose
+    prediction: Mapping[str, Any] | None = None  # what the policy expected of the mode it chose
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,11 @@ class Policy(Protocol):
     @property
     def memory(self) -> MemoryPolicy: ...
 
-    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
-        """A mode not in ``filtered`` (or none, with the reason)."""
+    def choose(self, features: Features, filtered: Mapping[str, Verdict],
+               predict: Callable[[str], Any] | None = None) -> Choice:
+        """A mode not in ``filtered`` (or none, with the reason). ``predict``: a mode's predicted time for this
+        request from the measured costs (``CostModel.predict``; None where not measured), for a policy that
+        orders by it."""
 
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it."""

@@ -9,6 +9,8 @@ rules:
     prefer: prefix_match                     # optional: try modes holding a longer prefix of the prompt first
     energy: {max_j_per_token: 0.5}           # optional: for requests this rule matches, skip modes above this
 default: [fp16]                              # when no rule matches
+order: listed        # listed: the first mode of the list that passes the gates; predicted: of the modes in the
+                     # list that pass, the one the measured costs predict to finish first (a rule may say its own)
 fallback: [fp16]                             # tried after a rule's (or the default's) own list
 quality: {max_drop_pp: 1.0}                  # the quality gate's tolerances (see QualityPolicy)
 energy: {max_j_per_token: 2.0, modes: {int8: 1.0}}   # energy gate: caps on each mode's running J/token
@@ -17,16 +19,24 @@ memory: {min_headroom: 0.05}                 # memory gate: below this free frac
 
 Conditions are compiled to ``(feature, operator, value)`` triples at load, so matching a request is a
 few attribute reads and comparisons.
+
+With ``order: predicted`` the rules constrain and the measurements order: a rule (or the default) names the
+modes a kind of request may use, and among those the gates pass the controller's cost model
+(:mod:`.costs`) picks the one predicted to finish first, counting the delay it adds to the requests already
+on its lane. A mode whose engine has not measured its costs yet is not compared on a guess: measured modes
+come first, the rest in the list's order. ``order: listed`` keeps the list a strict order (``paper.yaml``
+keeps the published table so).
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..yamlconf import Section
 from .completed import Completed
+from .costs import Prediction
 from .features import FEATURE_DOCS, Features
 from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy, positive
 from .quality import QualityPolicy
@@ -51,6 +61,10 @@ class Condition:
 
 
 PREFER = ("prefix_match",)
+ORDERS = ("listed", "predicted")
+#: what a policy ordering by prediction asks the controller: a mode's predicted time for this request, or None
+#: while its engine has not measured its costs
+Predict = Callable[[str], Prediction | None]
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class Rule:
     use: tuple[str, ...]
     prefer: str | None = None
     max_j_per_token: float | None = None  # energy cap for the requests this rule matches
+    order: str | None = None  # None: the policy's
 
     def candidates(self, features: Features) -> tuple[str, ...]:
         """The rule's modes in the order to try them (stable: ties keep the file's order)."""
@@ -102,6 +117,7 @@ class RulePolicy:
     quality: QualityPolicy = QualityPolicy()
     energy: EnergyPolicy = EnergyPolicy()
     memory: MemoryPolicy = MemoryPolicy()
+    order: str = "listed"
     _last_match: _LastMatch = field(default_factory=_LastMatch, init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
@@ -109,7 +125,7 @@ class RulePolicy:
         return {"name": self.name, "type": "rules", "source": self.source, "description": self.description,
                 "rules": [{"name": r.name, "use": list(r.use), "when": [f"{c.feature} {c.op} {c.value:g}"
                                                                        for c in r.conditions]} for r in self.rules],
-                "default": list(self.default), "fallback": list(self.fallback)}
+                "default": list(self.default), "fallback": list(self.fallback), "order": self.order}
 
     def match(self, features: Features) -> Rule | None:
         """The first rule whose conditions hold, or None (the default list applies)."""
@@ -118,8 +134,9 @@ class RulePolicy:
                 return r
         return None
 
-    def choose(self, features: Features, filtered: Mapping[str, Verdict]) -> Choice:
-        """The first mode of the matching rule's list (then the fallback list) that no gate filtered."""
+    def choose(self, features: Features, filtered: Mapping[str, Verdict], predict: Predict | None = None) -> Choice:
+        """A mode of the matching rule's list (then the fallback list) that no gate filtered: the first one, or
+        with ``order: predicted`` (and ``predict``) the one predicted to finish first."""
         rule = self.match(features)
         if rule is not None:
             why = f"rule {rule.name!r} ({', '.join(c.explain(features) for c in rule.conditions) or 'always'})"
@@ -127,14 +144,19 @@ class RulePolicy:
         else:
             why = "no rule matched: default"
             candidates = self.default
+        order = (rule.order if rule is not None and rule.order else self.order) if predict is not None else "listed"
         skipped = []
-        for name in _unique(candidates + self.fallback):
-            blocked = filtered.get(name)
-            if blocked is None:
-                tail = f"; skipped {'; '.join(skipped)}" if skipped else ""
-                via = " (fallback)" if name not in candidates else ""
-                return Choice(name, f"{why} -> {name}{via}{tail}", rule.name if rule else None)
-            skipped.append(f"{name}: {blocked}")
+        for group in (candidates, tuple(m for m in self.fallback if m not in candidates)):
+            admitted = [name for name in group if name not in filtered]
+            skipped += [f"{name}: {filtered[name]}" for name in group if name in filtered]
+            if not admitted:
+                continue
+            tail = f"; skipped {'; '.join(skipped)}" if skipped else ""
+            via = " (fallback)" if group is not candidates else ""
+            rule_name = rule.name if rule else None
+            if order == "predicted":
+                return _fastest(admitted, predict, f"{why}{via}", tail, rule_name)
+            return Choice(admitted[0], f"{why} -> {admitted[0]}{via}{tail}", rule_name)
         return Choice(None, f"{why}; no eligible mode: {'; '.join(skipped)}", rule.name if rule else None)
 
     @property
@@ -161,6 +183,24 @@ class RulePolicy:
         """A rule table names its modes itself: which share a batch changes nothing."""
 
 
+def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: str | None) -> Choice:
+    """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
+    unmeasured in the list's order), with the prediction of it and of the runner-up."""
+    predicted = [(p.total, i, name, p) for i, name in enumerate(admitted) if (p := predict(name)) is not None]
+    if not predicted:
+        return Choice(admitted[0], f"{why} -> {admitted[0]} (no mode measured yet: the list's order){tail}", rule)
+    predicted.sort(key=lambda t: t[:2])
+    _, _, best, p = predicted[0]
+    shown = {"mode": best, **p.as_dict()}
+    prediction = {"chosen": shown}
+    text = f"{why} -> {best}, predicted {p.total:.3g} s"
+    if len(predicted) > 1:
+        _, _, second, q = predicted[1]
+        prediction["runner_up"] = {"mode": second, **q.as_dict()}
+        text += f" (runner-up {second} {q.total:.3g} s)"
+    return Choice(best, text + tail, rule, prediction)
+
+
 def _unique(names: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
@@ -181,12 +221,12 @@ def _mode_list(sec: Section, key: str, known: set[str], default=None) -> tuple[s
 def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePolicy:
     """A ``type: rules`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
     source = sec.source
-    sec.only(COMMON_KEYS | {"rules", "default", "fallback"})
+    sec.only(COMMON_KEYS | {"rules", "default", "fallback", "order"})
     rules = []
     raw_rules = sec.get("rules", list, [])
     for i, raw in enumerate(raw_rules):
         rsec = Section(raw, source, f"rules[{i}]")
-        rsec.only({"name", "when", "use", "prefer", "energy"})
+        rsec.only({"name", "when", "use", "prefer", "energy", "order"})
         name = rsec.get("name", str, f"rule{i + 1}")
         conditions = []
         when = rsec.section("when", Section({}, source, f"rules[{i}].when"))
@@ -205,10 +245,11 @@ def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePo
             energy.only({"max_j_per_token"})
             cap = positive(energy, "max_j_per_token", None)
         rules.append(Rule(name, tuple(conditions), _mode_list(rsec, "use", known),
-                          rsec.get("prefer", str, None, PREFER), cap))
+                          rsec.get("prefer", str, None, PREFER), cap, rsec.get("order", str, None, ORDERS)))
     return RulePolicy(
         rules=tuple(rules),
         default=_mode_list(sec, "default", known),
         fallback=_mode_list(sec, "fallback", known, []),
+        order=sec.get("order", str, RulePolicy.order, ORDERS),
         **common,
     )

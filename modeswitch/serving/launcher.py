@@ -103,3 +103,13 @@ def wait_loaded(url: str, wait_s: float = 900) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url}: modes still loading after {wait_s:.0f} s")
         time.sleep(0.5)
+
+
+def wait_calibrated(url: str, wait_s: float = 900) -> None:
+    """Wait until a server's engines have measured their costs (``/v1/modes``' ``costs.calibration`` done, or off:
+    ``--no-calibrate``)."""
+    deadline = time.monotonic() + wait_s
+    while not requests.get(url + "/v1/modes", timeout=30).json()["costs"]["calibration"].startswith(("done", "off")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: costs still being measured after {wait_s:.0f} s")
+        time.sleep(1)

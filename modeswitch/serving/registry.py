@@ -325,6 +325,11 @@ class ModeRegistry:
             state.status, state.reason, state.engine = "unavailable", f"failed warm-up: {exc or 'timeout'}", None
 
     # ------------------------------------------------------------------ queries
+    @property
+    def closing(self) -> bool:
+        """The server is shutting down: start nothing more on the engines."""
+        return self._closing.is_set()
+
     def available(self) -> list[ModeState]:
         return [m for m in self.modes.values() if m.available]
 

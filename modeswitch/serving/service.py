@@ -7,6 +7,7 @@ and ends with the finish reason, token counts, timings and the decision that cho
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,9 +17,10 @@ from typing import Any, Iterator
 from ..controller.completed import Completed
 from ..controller.decide import Controller, NoEligibleMode
 from ..controller.features import Features
+from ..controller.costs import Binding, stream_key
 from ..controller.speculation import REPLAY_K, SpeculationModel
 from ..controller.verdicts import Code
-from ..device import memory_headroom
+from ..device import machine, memory_headroom
 from ..engines.base import Event, GenRequest, QueueFull, SamplingParams, TokenLogprobs
 from .metrics import Metrics
 from .registry import ModeRegistry
@@ -338,15 +340,18 @@ class Service:
         #: what drafting would do for a request (its features), learned from every completed one
         self.speculation = SpeculationModel()
         controller.add_observer(self.speculation.observe)
+        #: what each engine costs here: measured at start (:meth:`calibrate`), corrected by every finished request
+        self.costs = controller.costs
+        controller.add_observer(self.costs.observe)
         self.rebind()
 
     def rebind(self) -> None:
-        """Tell the controller and the speculation model how the resident modes share batches, as they stand now
-        (again once the modes of a staged start have come up)."""
+        """Tell the controller, the speculation model and the cost model how the resident modes share engines
+        and lanes, as they stand now (again once the modes of a staged start have come up)."""
         self.controller.rebind()
         modes = [m for m in self.registry.modes.values() if m.available]
-        # what the speculation model times steps by: a mode's batch, and apart from it the drafting requests in it
-        # (an engine drafts only for its speculative modes' requests, which may share the plain ones' batch)
+        # an engine's drafting requests are a stream of their own: they share the plain ones' batch but cost
+        # more a step (an engine drafts only for its speculative modes' requests)
         stream = {m.spec.name: f"{m.batch} drafting" if m.speculative else m.batch for m in modes}
         pairs, k = {}, []
         for m in modes:
@@ -355,11 +360,18 @@ class Service:
             plain = sorted((p for p in modes if p.spec.weights == m.spec.weights and not p.speculative),
                            key=lambda p: -p.batch_slots)  # the batch a request would otherwise join
             if plain:
-                pairs[m.spec.name] = (stream[m.spec.name], stream[plain[0].spec.name])
+                pairs[m.spec.name] = plain[0].spec.name
                 k.append(m.spec.speculative.num_tokens)
-        # the CPUs an engine computes on, where the backend pinned it (else every mode shares one lane)
-        lanes = {m.spec.name: ",".join(map(str, m.details.get("cpus", ()))) for m in modes}
-        self.speculation.bind(pairs, stream, max(k, default=REPLAY_K), lanes)
+        self.speculation.bind(max(k, default=REPLAY_K))
+        self.costs.bind(Binding(
+            streams=stream,
+            # the CPUs an engine computes on, where the backend pinned it (else every mode shares one lane)
+            lanes={m.spec.name: ",".join(map(str, m.details.get("cpus", ()))) for m in modes},
+            engines={m.spec.name: m.batch for m in modes},
+            slots={m.spec.name: m.batch_slots for m in modes},
+            drafting=frozenset(m.spec.name for m in modes if m.speculative),
+            keys={stream[m.spec.name]: stream_key(machine(), self.model_name, self.registry.backend_name, stream[m.spec.name], m.details) for m in modes},
+            pairs=pairs))
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
@@ -367,8 +379,8 @@ class Service:
         match = max(by_mode.values(), default=0)
         in_flight = {name: state.in_flight for name, state in self.registry.modes.items()}
         free, fraction = memory_headroom()
-        drafting = self.speculation.estimate(prompt_ids, task, in_flight)
-        return Features(
+        drafting = self.speculation.estimate(prompt_ids, task)
+        features = Features(
             prompt_tokens=n,
             max_tokens=params.max_tokens,
             prefix_match_tokens=match,
@@ -384,9 +396,12 @@ class Service:
             prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
             prompt_repeat=drafting.repeat,
             draft_tokens_per_step=drafting.tokens_per_step,
-            speculation_gain=drafting.best_gain,
             needs=tuple(sorted(params.needs)),
         )
+        if not self.costs.binding.pairs:
+            return features
+        return dataclasses.replace(features, speculation_gain=self.costs.speculation_gain(
+            features, drafting.tokens_per_step))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
               mode: str | None = None, task: str = "general") -> Generation:

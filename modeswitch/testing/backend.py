@@ -57,6 +57,8 @@ class FakeBackend:
             self.release.wait()
         engine = self.engines[spec.name] = FakeEngine(spec, self.scripts.get(spec.name, self.default))
         details: dict[str, Any] = {"script": repr(engine.script)}
+        if engine.script.cpus:
+            details["cpus"] = list(engine.script.cpus)
         if spec.name in self.kernels:
             details["kernels"] = dict(self.kernels[spec.name])
         return BuiltMode(engine, details)

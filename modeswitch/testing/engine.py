@@ -21,6 +21,12 @@ class Script:
     #: seconds before the first token, and between tokens
     ttft_s: float = 0.0
     token_s: float = 0.0
+    #: seconds added between tokens per other request generating on the engine (a batch step growing with the
+    #: batch), and per prompt token before the first (prefill growing with the prompt)
+    load_s: float = 0.0
+    prompt_token_s: float = 0.0
+    #: the CPUs its engine computes on (the card's ``cpus``: modes on other CPUs run on another lane)
+    cpus: tuple[int, ...] = ()
     #: fail every request after the start-up warm-up (an engine that broke while serving)
     fault: bool = False
     #: fail the warm-up too (an engine that never works: the registry lists the mode as unavailable)
@@ -53,6 +59,8 @@ class FakeEngine(Engine):
         self.preallocated_kv = batched if script.preallocated_kv is None else script.preallocated_kv
         prefix_cache = spec.prefix_cache if script.prefix_cache is None else script.prefix_cache
         self.submitted = 0
+        self.generating = 0  # requests being served (what load_s scales with)
+        self._count = threading.Lock()
         # as engines report them; the fake's tree is unbounded, so its capacity is "more than any test uses"
         self.prefix = {"prefix_queries": 0, "prefix_hits": 0, "prefix_hit_tokens": 0, "prefix_capacity_tokens": 2**30}
         self._prefixes = RadixTree() if prefix_cache else None
@@ -82,9 +90,18 @@ class FakeEngine(Engine):
                 req.emit("error", error=f"{type(exc).__name__}: {exc}")
 
     def _serve(self, req: GenRequest, warm_up: bool) -> None:
-        script = self.script
-        if script.ttft_s:
-            time.sleep(script.ttft_s)
+        with self._count:
+            self.generating += 1
+        try:
+            self._generate(req, warm_up)
+        finally:
+            with self._count:
+                self.generating -= 1
+
+    def _generate(self, req: GenRequest, warm_up: bool) -> None:
+        script = self.script  # read once: a test may swap the engine's script between requests
+        if script.ttft_s or script.prompt_token_s:
+            time.sleep(script.ttft_s + script.prompt_token_s * len(req.prompt_ids))
         if script.broken or (script.fault and not warm_up):
             req.emit("error", error="RuntimeError: injected fault")
             return
@@ -102,8 +119,8 @@ class FakeEngine(Engine):
             if req.cancelled.is_set():
                 req.emit("done", finish_reason="cancelled", cached_tokens=cached)
                 return
-            if i and script.token_s:
-                time.sleep(script.token_s)
+            if i and (script.token_s or script.load_s):
+                time.sleep(script.token_s + script.load_s * (self.generating - 1))
             if i == script.fail_after and not warm_up:
                 req.emit("error", error="RuntimeError: injected fault after tokens")
                 return

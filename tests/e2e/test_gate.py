@@ -95,7 +95,8 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     policy.write_text("name: prefer-degraded\nrules: []\ndefault: [degraded, prefix_cache]\nfallback: [fp16]\n"
                       "quality: {max_drop_pp: 5.0}\n")
     proc, url, _ = start_server(tmp_path, "--model", "demo", "--backend", "transformers", "--modes-dir", str(modes),
-                                "--gptq", str(degraded_dir), "--policy", str(policy), "--gate-report", str(path))
+                                "--gptq", str(degraded_dir), "--policy", str(policy), "--gate-report", str(path),
+                                "--no-calibrate")
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         for _ in range(3):  # the policy prefers the degraded mode; the gate never lets a request reach it
@@ -132,7 +133,7 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
 def test_lm_evals_local_completions_through_the_server_matches_the_adapter(tmp_path, ours):
     """The server as an lm-eval target: echo + logprobs on token-id prompts (scoring) and generation."""
     proc, url, _ = start_server(tmp_path, "--model", "demo", "--backend", "transformers", "--dtype", "float32",
-                                "--modes", "fp16,continuous_batching", "--gate-report", "none")
+                                "--modes", "fp16,continuous_batching", "--gate-report", "none", "--no-calibrate")
     try:
         theirs = evaluate("local-completions", tasks=("jargon_cloze", "jargon_copy"), limit=20, model_args=(
             f"base_url={url}/v1/completions,model=demo,tokenizer_backend=huggingface,"

@@ -183,22 +183,27 @@ def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == matched
 
 
-def test_the_default_policy_reads_the_prefix_cache_in_the_batch(vllm_server, int8_modes):
-    """On vLLM the prefix-cache modes share the batch, so the default policy sends every request to one of
-    them, matched prefix or not (the read costs nothing), as vLLM's own server reads its cache for all."""
-    # a task family no earlier request had: nothing says drafting would pay for it (a short prompt of the kind
-    # earlier tests sent may have shown acceptance, and would be drafted, rightly, by the rule before this one)
+def test_the_engines_measure_their_costs_and_the_default_policy_picks_the_predicted_fastest(vllm_server):
+    """Each vLLM engine measures its prefill and step costs here behind the requests (calibration); the default
+    policy then sends a request to the admitted mode predicted to finish it first, and says so with the
+    runner-up's prediction."""
+    from modeswitch.serving.launcher import wait_calibrated
+
+    wait_calibrated(vllm_server, 600)
+    costs = modes(vllm_server)["costs"]
+    engines = {m.get("vllm_engine") or m["name"] for m in modes(vllm_server)["modes"] if m["status"] == "available"}
+    assert costs["calibration"] == "done", costs["calibration"]
+    for stream, curves in costs["streams"].items():
+        assert curves["step_s_by_lane_load"] and curves["prefill_s_by_tokens"], stream
+        assert all(seconds > 0 and samples >= 1 for _, seconds, samples in curves["step_s_by_lane_load"]), stream
+        assert "cpu" in curves["key"] and stream.removesuffix(" drafting") in engines
     body = requests.post(vllm_server + "/v1/completions", timeout=300, json={
-        "model": "demo", "prompt": "A fresh prompt, sharing nothing.", "max_tokens": 2, "temperature": 0,
+        "model": "demo", "prompt": "A fresh prompt, sharing nothing.", "max_tokens": 8, "temperature": 0,
         "task": "fresh"}).json()
     info = body["modeswitch"]
-    assert info["features"]["draft_tokens_per_step"] == 1.0
-    assert info["features"]["prefix_cache_batched"] == 1 and info["features"]["prefix_match_tokens"] == 0
-    if info["features"]["speculation_gain"] >= 1.1:  # drafting gains nothing, but the int8 batch's CPUs were busy
-        assert info["mode"] == "int8+speculative" and "speculate-when-it-pays" in info["reason"]
-    else:
-        assert info["mode"] == ("int8+prefix_cache" if int8_modes else "prefix_cache")
-        assert "prefix-cache-in-the-batch" in info["reason"]
+    chosen, runner_up = info["prediction"]["chosen"], info["prediction"]["runner_up"]
+    assert info["mode"] == chosen["mode"] and "predicted" in info["reason"], info["reason"]
+    assert chosen["total_s"] <= runner_up["total_s"] and chosen["decode_s"] > 0
 
 
 def test_a_prefix_counts_while_the_request_that_computed_it_still_runs(vllm_server):

@@ -1,21 +1,20 @@
-"""When drafting pays: the n-gram replay, acceptance learned from completed requests of any mode, step costs by
-load, the default policy's rule, and the features a server computes for each request (fake backend)."""
+"""What drafting would do: the n-gram replay, acceptance learned from completed requests of any mode, the
+batch-first policy's rule on the speculation gain, and the features a server computes for each request (fake
+backend). What a drafting step costs is the cost model's (test_costs.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
-
 from modeswitch.controller.completed import Completed
-from modeswitch.controller.speculation import PRIOR_STEP_COST, SpeculationModel, ngram_steps, prompt_repeat
+from modeswitch.controller.speculation import SpeculationModel, ngram_steps, prompt_repeat
 from modeswitch.testing.engine import Script
 from policy_text import feats, policy_from
 
 LIST = [100 + i for i in range(60)]  # a prompt of 60 distinct tokens (a list to quote)
 PROSE = [200 + i for i in range(12)]  # a short prompt of another kind
-DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "batch-first.yaml"
+BATCH_FIRST = Path(__file__).resolve().parents[2] / "policies" / "batch-first.yaml"
 
 
 def test_replay_counts_the_steps_prompt_lookup_would_take():
@@ -46,62 +45,23 @@ def done(prompt, output, mode="int8", in_flight=None, tpot=0.02, steps=None) -> 
                      "estimated", False, False, tuple(prompt), tuple(output), steps)
 
 
-def model() -> SpeculationModel:
-    m = SpeculationModel()
-    m.bind({"int8+speculative": ("int8-spec", "int8")}, {"int8": "int8", "int8+speculative": "int8-spec"})
-    return m
-
-
 def test_acceptance_is_learned_from_requests_no_speculative_mode_served():
-    m = model()
-    cold = m.estimate(LIST, "general", {})
-    assert cold.tokens_per_step == 1.0 and cold.best_gain < 1.0  # nothing known: drafting is not worth its cost
+    m = SpeculationModel()
+    assert m.estimate(LIST, "general").tokens_per_step == 1.0  # nothing known: drafting is not worth its cost
     for _ in range(3):  # the plain batch served them; the replay says drafting would have quoted them
         m.observe(done(LIST, LIST[:40]))
-    warm = m.estimate(LIST, "general", {})
+    warm = m.estimate(LIST, "general")
     assert warm.tokens_per_step > 3
-    assert warm.gain["int8+speculative"] == warm.tokens_per_step / PRIOR_STEP_COST
     # another kind (a short prompt, another task) is not judged by the quoting kind's evidence
-    assert m.estimate([7, 8, 9, 10], "general", {}).tokens_per_step == 1.0
-    assert m.estimate(LIST, "code", {}).tokens_per_step == 1.0
+    assert m.estimate([7, 8, 9, 10], "general").tokens_per_step == 1.0
+    assert m.estimate(LIST, "code").tokens_per_step == 1.0
     m.observe(done([7, 8, 9, 10], [500 + i for i in range(40)]))
-    assert m.estimate([7, 8, 9, 10], "general", {}).tokens_per_step == 1.0  # prose: nothing to copy
-    assert m.estimate(LIST, "general", {}).tokens_per_step == warm.tokens_per_step
-
-
-def test_step_costs_are_measured_per_lane_load():
-    m = model()
-    for _ in range(3):
-        m.observe(done(LIST, LIST[:40], in_flight={"int8": 7}, tpot=0.02))  # plain batch, joining 7: 20 ms a token
-        # the drafting batch at the same load: 40 tokens in 10 target steps at 10 ms a token = 43 ms a step
-        m.observe(done(LIST, LIST[:40], mode="int8+speculative", in_flight={"int8+speculative": 7}, tpot=0.01,
-                       steps=10))
-    assert m.step_seconds("int8", 8) == pytest.approx(0.02)
-    assert m.step_seconds("int8-spec", 8) == pytest.approx(0.01 * 39 / 9)
-    busy = m.estimate(LIST, "general", {"int8": 4, "int8+speculative": 3})
-    assert busy.gain["int8+speculative"] == pytest.approx(busy.tokens_per_step * 0.02 / (0.01 * 39 / 9))
-    # an unmeasured load: the prior (both on one lane here, so the loads are the same)
-    idle = m.estimate(LIST, "general", {})
-    assert idle.gain["int8+speculative"] == pytest.approx(idle.tokens_per_step / PRIOR_STEP_COST)
-
-
-def test_a_burst_is_spread_over_lanes_before_it_is_measured():
-    m = model()
-    m.bind(m.pairs, m.batches, lanes={"int8": "core0", "int8+speculative": "core1"})
-    for _ in range(2):
-        m.observe(done(LIST, LIST[:12] + [900 + i for i in range(28)]))  # a little copying: ~1.3 tokens a step
-    tau = m.estimate(LIST, "general", {}).tokens_per_step
-    assert 1.1 < tau < 2
-    gains = [m.estimate(LIST, "general", {"int8+speculative": n, "int8": 2}).best_gain for n in range(6)]
-    assert gains == sorted(gains, reverse=True)  # the drafting lane fills up: drafting pays less
-    assert gains[0] > 1.1 > gains[-1]
-    # with both on one lane the plain batch's requests slow the drafting ones just as much
-    m.bind(m.pairs, m.batches)
-    assert m.estimate(LIST, "general", {"int8+speculative": 5, "int8": 2}).best_gain == pytest.approx(tau / PRIOR_STEP_COST)
+    assert m.estimate([7, 8, 9, 10], "general").tokens_per_step == 1.0  # prose: nothing to copy
+    assert m.estimate(LIST, "general").tokens_per_step == warm.tokens_per_step
 
 
 def test_failed_scoring_and_one_token_requests_teach_nothing():
-    m = model()
+    m = SpeculationModel()
     m.observe(done(LIST, LIST[:1]))
     f = done(LIST, LIST[:40])
     m.observe(replace(f, outcome="error"))
@@ -109,8 +69,8 @@ def test_failed_scoring_and_one_token_requests_teach_nothing():
     assert m.describe()["requests"] == 0
 
 
-def test_default_policy_speculates_only_when_it_pays():
-    policy = policy_from(DEFAULT_POLICY.read_text())
+def test_batch_first_speculates_only_when_it_pays():
+    policy = policy_from(BATCH_FIRST.read_text())
     choice = policy.choose(feats(speculation_gain=2.5, prefix_cache_batched=1), {})
     assert choice.mode == "int8+speculative" and choice.rule == "speculate-when-it-pays"
     assert policy.choose(feats(speculation_gain=1.0, prefix_cache_batched=1), {}).mode == "int8+prefix_cache"
@@ -122,9 +82,14 @@ def test_default_policy_speculates_only_when_it_pays():
 
 def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
     modes = ["int8+prefix_cache", "int8+speculative", "fp16"]
-    app = make_app(modes=modes, policy=DEFAULT_POLICY.read_text(), scripts={m: Script(batch=4) for m in modes})
-    model = app.service.speculation
-    assert model.pairs == {"int8+speculative": ("int8+speculative drafting", "int8+prefix_cache")}
+    app = make_app(modes=modes, policy=BATCH_FIRST.read_text(), scripts={m: Script(batch=4) for m in modes})
+    costs = app.service.costs
+    assert costs.binding.pairs == {"int8+speculative": "int8+prefix_cache"}
+    assert costs.binding.streams["int8+speculative"] == "int8+speculative drafting"
+    # both engines measured: a drafting step costs 1.2x a plain one on each's own lane
+    for stream, step in (("int8+prefix_cache", 0.010), ("int8+speculative drafting", 0.012)):
+        costs.add_prefill(stream, 16, 0.01)
+        costs.add_step(stream, 1, step)
     # prose, nothing learned yet: the batch, and the request's own answer is replayed once it is done
     first = app.complete(PROSE, max_tokens=24)
     assert first["modeswitch"]["mode"] == "int8+prefix_cache", first["modeswitch"]["reason"]
@@ -134,7 +99,7 @@ def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
     assert app.get("/v1/modes").get_json()["speculation"]["requests"] == 1
     # requests of a kind whose answers quoted their prompts: drafting is predicted to pay, and is chosen
     for _ in range(2):
-        model.observe(done(LIST, LIST[:40]))
+        app.service.speculation.observe(done(LIST, LIST[:40]))
     quoted = app.complete(LIST, max_tokens=24)["modeswitch"]
     assert quoted["mode"] == "int8+speculative", quoted["reason"]
     assert quoted["features"]["speculation_gain"] >= 1.1 and "speculate-when-it-pays" in quoted["reason"]

@@ -1,0 +1,410 @@
+"""What a request would cost on each mode, from what each engine measured on the machine it runs on.
+
+Every engine keeps two curves per *stream* (its plain requests, and apart from them its drafting requests):
+
+- ``prefill``: seconds to the first token against the prompt tokens it must compute (the prompt less what the
+  mode's prefix cache holds);
+- ``step``: seconds per target step against the requests running on the engine's *lane* (the cores or device
+  its model computes on, shared with any engine on the same lane), this request included.
+
+Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
+pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
+the size, each a decaying mean of (size, seconds) so that a bucket follows a machine whose speed changes. A
+curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
+two buckets' slope after the last): nothing in a prediction is a constant that this machine did not measure.
+
+A request ``r`` on mode ``m`` of engine ``e`` whose lane runs ``b`` requests is predicted to take
+
+    own(r, m)   = wait_e + prefill_e(unmatched prompt) + (max_tokens - 1) x step_e(b + 1) / tokens_per_step(m, r)
+    delay(r, m) = b x (prefill_e(unmatched prompt) + steps(r) x (step_e(b + 1) - step_e(b)))
+
+where ``tokens_per_step`` is 1 for a plain mode and the drafting acceptance learned for this kind of request
+(:mod:`.speculation`) for a speculative one, ``wait_e`` counts the requests queued beyond the engine's batch,
+and ``delay`` is what ``r`` costs the requests already on the lane. A mode whose stream has not measured a
+curve yet predicts nothing (``None``): it is never compared on a guess, so one mode's unmeasured prior cannot
+mask another's measured cost.
+
+The measurements are kept per engine *key* (machine, model, engine configuration: what makes the costs
+valid) in a JSON file, so a restart on the same machine starts with what the last run measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+from .completed import Completed
+from .features import Features
+from .speculation import tokens_per_step as tokens_per_target_step
+
+log = logging.getLogger(__name__)
+
+#: weight of each new observation in a bucket's running means once it has this many (1 / WEIGHT) samples:
+#: about the last twenty of a bucket count, so a bucket follows a changing machine within a burst
+WEIGHT = 0.05
+
+
+def bucket(size: float) -> int:
+    """The log2 bucket of a size (1, 2-3, 4-7, ...): costs grow with size, rarely linearly."""
+    return max(int(size), 1).bit_length()
+
+
+class _Point:
+    """One bucket's running means of (size, seconds), weighing recent samples more once it has many."""
+
+    __slots__ = ("x", "y", "n")
+
+    def __init__(self, x: float = 0.0, y: float = 0.0, n: int = 0) -> None:
+        self.x, self.y, self.n = x, y, n
+
+    def add(self, x: float, y: float) -> None:
+        self.n += 1
+        w = max(WEIGHT, 1.0 / self.n)
+        self.x += (x - self.x) * w
+        self.y += (y - self.y) * w
+
+
+class Curve:
+    """Seconds against a size, in log2 buckets; :meth:`at` interpolates between the measured ones."""
+
+    def __init__(self) -> None:
+        self._points: dict[int, _Point] = {}
+        self._xs: list[float] = []  # the measured buckets' mean sizes, ascending, and their mean seconds
+        self._ys: list[float] = []
+
+    def add(self, size: float, seconds: float) -> None:
+        if seconds < 0 or not math.isfinite(seconds):
+            return
+        self._points.setdefault(bucket(size), _Point()).add(float(size), float(seconds))
+        self._index()
+
+    def _index(self) -> None:
+        points = [p for _, p in sorted(self._points.items())]
+        self._xs, self._ys = [p.x for p in points], [p.y for p in points]
+
+    @property
+    def measured(self) -> bool:
+        return bool(self._xs)
+
+    def at(self, size: float) -> float | None:
+        """The seconds at ``size``: interpolated between the measured buckets around it, flat below the first,
+        extended on the slope of the last two above the last (flat with one); None when nothing is measured."""
+        xs, ys = self._xs, self._ys
+        if not xs:
+            return None
+        i = bisect.bisect_left(xs, size)
+        if i == 0:
+            return ys[0]
+        if i == len(xs):
+            if i == 1:
+                return ys[0]
+            i -= 1  # beyond the last: the last segment's slope, never falling
+            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 0.0
+            return ys[i] + max(slope, 0.0) * (size - xs[i])
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (size - x0) / (x1 - x0) if x1 > x0 else ys[i]
+
+    def samples(self, size: float) -> int:
+        point = self._points.get(bucket(size))
+        return point.n if point is not None else 0
+
+    def dump(self) -> list[list[float]]:
+        """Its buckets as ``[size, seconds, samples]`` (what ``/v1/modes`` shows and the cache keeps)."""
+        return [[round(p.x, 2), round(p.y, 6), p.n] for _, p in sorted(self._points.items())]
+
+    @classmethod
+    def load(cls, rows: Iterable[Iterable[float]]) -> "Curve":
+        curve = cls()
+        for x, y, n in rows:
+            curve._points[bucket(x)] = _Point(float(x), float(y), int(n))
+        curve._index()
+        return curve
+
+
+@dataclass
+class StreamCosts:
+    """An engine stream's measured costs (plain requests, or its drafting requests)."""
+
+    prefill: Curve
+    step: Curve
+    #: a request's seconds from submission to its last token (what a queued request waits per batch ahead)
+    service: _Point
+
+    @classmethod
+    def empty(cls) -> "StreamCosts":
+        return cls(Curve(), Curve(), _Point())
+
+    @property
+    def measured(self) -> bool:
+        return self.prefill.measured and self.step.measured
+
+    def dump(self) -> dict[str, Any]:
+        return {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_lane_load": self.step.dump(),
+                "service_s": [round(self.service.y, 4), self.service.n]}
+
+    @classmethod
+    def load(cls, data: Mapping[str, Any]) -> "StreamCosts":
+        service = data.get("service_s") or [0.0, 0]
+        return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_lane_load"]),
+                   _Point(0.0, float(service[0]), int(service[1])))
+
+
+class Prediction(NamedTuple):
+    """A mode's predicted seconds for one request: its own time to the last token, and the delay it adds to
+    the requests already on the lane; ``total`` is what a policy minimises. (A tuple: a decision builds one
+    per mode it compares.)"""
+
+    own_s: float
+    delay_s: float
+    wait_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def total(self) -> float:
+        return self.own_s + self.delay_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {"total_s": round(self.total, 4), "own_s": round(self.own_s, 4), "delay_s": round(self.delay_s, 4),
+                "wait_s": round(self.wait_s, 4), "prefill_s": round(self.prefill_s, 4),
+                "decode_s": round(self.decode_s, 4)}
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How the resident modes map onto measured costs (``CostModel.bind``)."""
+
+    #: mode -> its stream (its engine's name; a drafting mode's requests apart: "<engine> drafting")
+    streams: Mapping[str, str]
+    #: mode -> the lane its engine computes on (modes on one lane share its compute)
+    lanes: Mapping[str, str]
+    #: mode -> its engine (modes on one engine share its batch and queue)
+    engines: Mapping[str, str]
+    #: mode -> requests its engine generates at once
+    slots: Mapping[str, int]
+    #: the speculative modes
+    drafting: frozenset[str] = frozenset()
+    #: stream -> the key its measurements are valid for (machine, model, engine configuration)
+    keys: Mapping[str, str] | None = None
+    #: speculative mode -> the plain mode on the same weights it would otherwise be (speculation_gain)
+    pairs: Mapping[str, str] | None = None
+
+
+class CostModel:
+    """Per engine stream, measured prefill and step curves; :meth:`predict` is what a decision reads, and
+    :meth:`observe` (an observer of the controller) corrects the curves from every finished request."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        """``path``: the JSON file the measurements are kept in across restarts (None: not kept)."""
+        self.path = Path(path) if path is not None else None
+        self.binding = Binding({}, {}, {}, {})
+        self._streams: dict[str, StreamCosts] = {}
+        self._keys: dict[str, str] = {}  # stream -> the key its curves were measured under
+        #: what the engines' calibration is doing (``serving.calibrate``), as ``/v1/modes`` shows it
+        self.calibration = "off"
+        self._saved: dict[str, Any] = self._read()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ binding and persistence
+    def bind(self, binding: Binding) -> None:
+        """The resident modes as they stand now. A stream keeps its curves while its key is the same; a stream
+        whose key changed (its engine now compiled, say) starts from what was measured under the new key (this
+        run, an earlier one, or nothing), its old curves kept under the old key."""
+        with self._lock:
+            self.binding = binding
+            keys = binding.keys or {}
+            for stream in set(binding.streams.values()):
+                key = keys.get(stream, "")
+                if stream in self._streams and self._keys.get(stream) == key:
+                    continue
+                old = self._streams.get(stream)
+                if old is not None and old.measured and self._keys.get(stream):
+                    self._saved[self._keys[stream]] = old.dump()
+                saved = self._saved.get(key) if key else None
+                try:
+                    self._streams[stream] = StreamCosts.load(saved) if saved else StreamCosts.empty()
+                except (KeyError, TypeError, ValueError):
+                    log.warning("ignoring the saved costs of %s: not in the expected shape", stream)
+                    self._streams[stream] = StreamCosts.empty()
+                self._keys[stream] = key
+
+    def _read(self) -> dict[str, Any]:
+        if self.path is None or not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            log.warning("ignoring %s: not a readable cost file", self.path)
+            return {}
+
+    def save(self) -> None:
+        """Write every keyed stream's curves (merged into what the file holds for other keys)."""
+        if self.path is None:
+            return
+        with self._lock:
+            for stream, key in self._keys.items():
+                costs = self._streams.get(stream)
+                if key and costs is not None and costs.measured:
+                    self._saved[key] = costs.dump()
+            data = dict(self._saved)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as exc:
+            log.warning("could not save the measured costs to %s: %s", self.path, exc)
+
+    # ------------------------------------------------------------------ measuring
+    def stream(self, name: str) -> StreamCosts:
+        with self._lock:
+            return self._streams.setdefault(name, StreamCosts.empty())
+
+    def measured(self, stream: str) -> bool:
+        costs = self._streams.get(stream)
+        return costs is not None and costs.measured
+
+    def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:
+        costs = self.stream(stream)
+        with self._lock:
+            costs.prefill.add(max(tokens, 1), seconds)
+
+    def add_step(self, stream: str, lane_load: int, seconds: float) -> None:
+        costs = self.stream(stream)
+        with self._lock:
+            costs.step.add(max(lane_load, 1), seconds)
+
+    def add_service(self, stream: str, seconds: float) -> None:
+        costs = self.stream(stream)
+        with self._lock:
+            costs.service.add(0.0, seconds)
+
+    def lane_load(self, mode: str, in_flight_by_mode: Mapping[str, int]) -> int:
+        """Requests in flight on the lane ``mode``'s engine computes on."""
+        lanes = self.binding.lanes
+        lane = lanes.get(mode, "")
+        return sum(n for m, n in in_flight_by_mode.items() if lanes.get(m, "") == lane)
+
+    def observe(self, completed: Completed) -> None:
+        """Correct the served stream's curves from a finished request: its time to first token against the
+        prompt it computed, its time per target step against the lane load it met, its whole time."""
+        b = self.binding
+        stream = b.streams.get(completed.mode)
+        if (stream is None or completed.outcome != "ok" or completed.retried or completed.scoring
+                or completed.ttft_s is None):
+            return
+        f = completed.features
+        load = self.lane_load(completed.mode, f.in_flight_by_mode) + 1  # as decided: this request joining
+        unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
+        self.add_prefill(stream, unmatched, completed.ttft_s)
+        self.add_service(stream, completed.latency_s)
+        if completed.tpot_s is None:
+            return
+        seconds = completed.tpot_s
+        if completed.mode in b.drafting:  # per target step: the tokens per step this request got
+            per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
+            if per_step is None:
+                return
+            seconds *= per_step
+        self.add_step(stream, load, seconds)
+
+    # ------------------------------------------------------------------ predicting
+    def predict(self, mode: str, features: Features, tokens_per_step: float = 1.0) -> Prediction | None:
+        """``mode``'s predicted time for the request ``features`` describe (see the module's docstring); None
+        while its stream has not measured both curves."""
+        return self.predictor(features, tokens_per_step)(mode)
+
+    def predictor(self, features: Features, tokens_per_step: float = 1.0) -> Callable[[str], Prediction | None]:
+        """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
+        (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
+        b = self.binding
+        lanes, engines, streams = b.lanes, b.engines, self._streams
+        on_lane: dict[str, int] = {}
+        on_engine: dict[str, int] = {}
+        for m, n in features.in_flight_by_mode.items():
+            if n:
+                lane, engine = lanes.get(m, ""), engines.get(m, m)
+                on_lane[lane] = on_lane.get(lane, 0) + n
+                on_engine[engine] = on_engine.get(engine, 0) + n
+        prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
+        # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
+        # on one vLLM engine): computed once
+        known: dict[tuple[str, int], Prediction | None] = {}
+
+        def predict(mode: str) -> Prediction | None:
+            stream = b.streams.get(mode, "")
+            unmatched = max(prompt - held.get(mode, 0), 1)
+            if (stream, unmatched) in known:
+                return known[stream, unmatched]
+            known[stream, unmatched] = p = _predict(mode, stream, unmatched)
+            return p
+
+        def _predict(mode: str, stream: str, unmatched: int) -> Prediction | None:
+            costs = streams.get(stream)
+            if costs is None or not costs.measured:
+                return None
+            lane_load = on_lane.get(lanes.get(mode, ""), 0)
+            step = costs.step.at(lane_load + 1)
+            prefill = costs.prefill.at(unmatched)
+            steps = max(max_tokens - 1, 0) / (max(tokens_per_step, 1.0) if mode in b.drafting else 1.0)
+            slots = max(b.slots.get(mode, 1), 1)
+            queued = on_engine.get(engines.get(mode, mode), 0) + 1 - slots
+            wait = math.ceil(queued / slots) * costs.service.y if queued > 0 else 0.0
+            delay = lane_load * (prefill + steps * max(step - costs.step.at(lane_load), 0.0)) if lane_load else 0.0
+            return Prediction(wait + prefill + steps * step, delay, wait, prefill, steps * step)
+
+        return predict
+
+    def speculation_gain(self, features: Features, tokens_per_step: float) -> float:
+        """The best predicted speed-up of a speculative mode over the plain mode on its weights for this
+        request (own times, at the loads they would meet), among pairs whose streams are both measured; 0
+        when none is."""
+        best = 0.0
+        drafting, plain_mode = self.predictor(features, tokens_per_step), self.predictor(features)
+        for spec, plain in (self.binding.pairs or {}).items():
+            drafted, base = drafting(spec), plain_mode(plain)
+            if drafted is not None and base is not None and drafted.own_s > 0:
+                best = max(best, base.own_s / drafted.own_s)
+        return best
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/modes`` shows: per stream its curves with the samples behind each point, the key they are
+        kept under, and which streams no mode on them needs because another lane is faster at every load."""
+        b = self.binding
+        with self._lock:
+            out = {stream: {**costs.dump(), "key": (b.keys or {}).get(stream, "")}
+                   for stream, costs in sorted(self._streams.items()) if stream in set(b.streams.values())}
+        for stream in self.idle_by_measurement():
+            out[stream]["idle_by_measurement"] = True
+        return {"calibration": self.calibration, "streams": out, "modes": dict(b.streams),
+                "path": str(self.path) if self.path else None}
+
+    def idle_by_measurement(self) -> list[str]:
+        """Plain streams slower than another plain stream at every lane load either has measured: the
+        measurements give such an engine's lane no work that pays (a gate or a pinned request still may)."""
+        plain = {s: c for s, c in self._streams.items()
+                 if c.step.measured and s in set(self.binding.streams.values()) and not s.endswith(" drafting")}
+        idle = []
+        for s, c in plain.items():
+            loads = [x for x, _, _ in c.step.dump()]
+            for other, o in plain.items():
+                if other != s and all(o.step.at(x) < c.step.at(x) for x in loads):
+                    idle.append(s)
+                    break
+        return sorted(idle)
+
+
+def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:
+    """The key a stream's measurements are kept under: the machine, the model, the engine family, the stream,
+    and what its mode's card says of the engine (kernels, eager or compiled, the cores it is pinned to).
+    Measurements taken under another key are never read for it."""
+    engine = {k: details[k] for k in ("kernels", "decode", "draft") if k in details}
+    engine["cpus"] = len(details.get("cpus", ()))
+    return json.dumps([machine, model, backend, stream, engine], sort_keys=True)

@@ -1,0 +1,241 @@
+"""The cost model (measured curves, predictions, persistence) and the default policy that orders modes by it: on
+the fake backend, engines whose costs differ by a factor the test sets, measured by the server's own calibration."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+
+from modeswitch.controller.completed import Completed
+from modeswitch.controller.costs import Binding, CostModel, Curve, stream_key
+from modeswitch.resources import DEFAULT_POLICY
+from modeswitch.testing.engine import Script
+from policy_text import feats, policy_from
+
+FASTEST = DEFAULT_POLICY.read_text()
+
+
+def test_a_curve_interpolates_between_measured_buckets_and_extends_the_last_slope():
+    curve = Curve()
+    assert curve.at(4) is None and not curve.measured
+    curve.add(1, 0.010)
+    assert curve.at(1) == curve.at(100) == pytest.approx(0.010)  # one point: flat
+    curve.add(4, 0.016)
+    assert curve.at(2) == pytest.approx(0.012)  # a third of the way from 1 to 4
+    assert curve.at(0.5) == pytest.approx(0.010)  # flat below the first
+    assert curve.at(8) == pytest.approx(0.016 + 0.002 * 4)  # the last slope beyond the last
+    assert curve.samples(4) == 1 and curve.samples(16) == 0
+    for _ in range(200):  # a bucket follows its recent samples
+        curve.add(5, 0.050)
+    assert curve.at(5) == pytest.approx(0.050, rel=0.01)
+
+
+def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves():
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
+                       slots={"a": 4, "b": 4}))
+    assert costs.predict("a", feats()) is None
+    costs.add_prefill("a", 100, 0.2)
+    assert costs.predict("a", feats()) is None  # prefill alone is not enough
+    costs.add_step("a", 1, 0.01)
+    costs.add_step("a", 2, 0.02)
+    alone = costs.predict("a", feats(prompt_tokens=100, max_tokens=11))
+    assert alone.prefill_s == pytest.approx(0.2) and alone.decode_s == pytest.approx(10 * 0.01)
+    assert alone.delay_s == 0 and alone.total == pytest.approx(0.3)
+    # one request already on its lane (another mode of the lane counts too): its steps cost 0.02 now, and the
+    # request adds its prefill and 10 x 0.01 of step growth to the one already there
+    busy = costs.predict("a", feats(prompt_tokens=100, max_tokens=11, in_flight_by_mode={"a": 1}))
+    assert busy.decode_s == pytest.approx(10 * 0.02) and busy.delay_s == pytest.approx(0.2 + 10 * 0.01)
+    # another lane's load is not this lane's
+    assert costs.predict("a", feats(prompt_tokens=100, max_tokens=11, in_flight_by_mode={"b": 3})).delay_s == 0
+
+
+def test_a_prefix_cache_hit_drafting_and_a_full_batch_enter_the_prediction():
+    costs = CostModel()
+    costs.bind(Binding(streams={"pc": "e", "spec": "e drafting"}, lanes={}, engines={"pc": "e", "spec": "e"},
+                       slots={"pc": 2, "spec": 2}, drafting=frozenset({"spec"})))
+    for stream in ("e", "e drafting"):
+        costs.add_prefill(stream, 16, 0.05)
+        costs.add_prefill(stream, 512, 0.5)
+        costs.add_step(stream, 1, 0.02 if stream == "e" else 0.03)
+    full = costs.predict("pc", feats(prompt_tokens=512))
+    held = costs.predict("pc", feats(prompt_tokens=512, prefix_match_by_mode={"pc": 496}))
+    assert held.prefill_s == pytest.approx(0.05) and full.prefill_s == pytest.approx(0.5)
+    # drafting: a step costs 1.5x, but yields 3 tokens: half the decode time; one token a step: 1.5x
+    assert costs.predict("spec", feats(max_tokens=31), tokens_per_step=3.0).decode_s == pytest.approx(10 * 0.03)
+    assert costs.predict("spec", feats(max_tokens=31)).decode_s == pytest.approx(30 * 0.03)
+    # a batch of 2 full: the third waits for one request's time on it (measured by finished requests)
+    costs.add_service("e", 1.5)
+    queued = costs.predict("pc", feats(in_flight_by_mode={"pc": 1, "spec": 1}))
+    assert queued.wait_s == pytest.approx(1.5)
+
+
+def test_finished_requests_correct_the_curves_at_the_load_they_met():
+    costs = CostModel()
+    costs.bind(Binding(streams={"m": "m", "d": "m drafting"}, lanes={}, engines={"m": "m", "d": "m"},
+                       slots={"m": 8, "d": 8}, drafting=frozenset({"d"})))
+
+    def done(mode, in_flight, tpot, steps=None, **kw) -> Completed:
+        f = feats(prompt_tokens=64, in_flight_by_mode=in_flight)
+        return Completed(mode, f, "ok", 0.1, tpot, 1.0, 64, 21, 1.0, "estimated", False, False, target_steps=steps,
+                         **kw)
+
+    costs.observe(done("m", {"m": 3}, 0.02))  # it joined 3: load 4
+    assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
+    assert costs.stream("m").prefill.dump() == [[64.0, 0.1, 1]]
+    costs.observe(done("d", {"m": 3}, 0.01, steps=6))  # 20 tokens after the first in 5 steps: 0.04 a step
+    assert costs.stream("m drafting").step.at(4) == pytest.approx(0.04)
+    for failed in (replace(done("m", {}, 0.5), outcome="error"), replace(done("m", {}, 0.5), retried=True),
+                   replace(done("m", {}, 0.5), scoring=True)):
+        costs.observe(failed)
+    assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
+
+
+def test_measurements_are_kept_under_their_key_and_read_back_by_the_same_engine(tmp_path):
+    path = tmp_path / "costs.json"
+    card = {"kernels": {"engine": "vllm:fp16", "compute": "float32"}, "decode": "compiled", "cpus": [0]}
+    key = stream_key("cpu X [avx2] x2", "demo", "vllm", "fp16", card)
+    binding = Binding(streams={"fp16": "fp16"}, lanes={}, engines={}, slots={}, keys={"fp16": key})
+    first = CostModel(path)
+    first.bind(binding)
+    first.add_prefill("fp16", 32, 0.1)
+    first.add_step("fp16", 1, 0.02)
+    first.save()
+    again = CostModel(path)
+    again.bind(binding)
+    assert again.measured("fp16") and again.predict("fp16", feats(max_tokens=2)).total == pytest.approx(0.12)
+    other = CostModel(path)  # the same engine on an AVX-512 machine reads nothing of it
+    other.bind(replace(binding, keys={"fp16": stream_key("cpu X [avx2 avx512f] x2", "demo", "vllm", "fp16", card)}))
+    assert not other.measured("fp16")
+
+
+def test_the_policy_picks_the_mode_predicted_first_and_says_what_the_runner_up_was():
+    policy = policy_from(FASTEST)
+    times = {"fp16": 2.0, "int8": 1.0, "prefix_cache": 1.5}
+    from modeswitch.controller.costs import Prediction
+
+    def predict(mode):
+        return Prediction(times[mode], 0.0, 0.0, 0.1, times[mode] - 0.1) if mode in times else None
+
+    choice = policy.choose(feats(), {}, predict)
+    assert choice.mode == "int8" and choice.prediction["runner_up"]["mode"] == "prefix_cache"
+    assert "predicted 1 s" in choice.reason and "runner-up prefix_cache 1.5 s" in choice.reason
+    # a gate's verdict removes the fastest; nothing measured: the list's order (the reference first)
+    assert policy.choose(feats(), {"int8": "quality"}, predict).mode == "prefix_cache"
+    assert policy.choose(feats(), {}, lambda m: None).mode == "prefix_cache"
+    # a rule still constrains: under memory pressure only the small-weight modes
+    assert policy.choose(feats(memory_headroom=0.05), {}, predict).mode == "int8"
+    times["int8"] = 3.0
+    assert policy.choose(feats(memory_headroom=0.05), {}, predict).mode == "int8"  # the only measured one allowed
+    # order: listed keeps a rule table strict
+    strict = policy_from(FASTEST.replace("order: predicted", "order: listed"))
+    assert strict.choose(feats(), {}, predict).mode == "prefix_cache"
+
+
+def wait_measured(app, streams, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(app.service.costs.measured(s) for s in streams):
+        assert time.monotonic() < deadline, app.get("/v1/modes").get_json()["costs"]
+        time.sleep(0.05)
+
+
+def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_when_it_slows(make_app):
+    """Two engines, one 3x slower per token (int8 on an AVX2 CPU, say): calibration measures both and the default
+    policy sends every request to the faster; when that engine slows down below the other, its finished requests
+    say so and the routing flips within a few requests."""
+    modes = ["prefix_cache", "int8+prefix_cache"]
+    scripts = {"prefix_cache": Script(token_s=0.003, batch=4, cpus=(0,)),
+               "int8+prefix_cache": Script(token_s=0.009, batch=4, cpus=(1,))}
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
+    wait_measured(app, modes)
+    costs = app.get("/v1/modes").get_json()["costs"]
+    step = {s: costs["streams"][s]["step_s_by_lane_load"] for s in modes}
+    assert step["int8+prefix_cache"][0][1] > 2 * step["prefix_cache"][0][1]
+    assert all(n >= 1 for _, _, n in step["prefix_cache"])  # samples behind each point are shown
+    assert costs["streams"]["int8+prefix_cache"]["idle_by_measurement"] is True
+    served = [app.complete([65 + i, 66, 67], max_tokens=12)["modeswitch"] for i in range(3)]
+    assert [s["mode"] for s in served] == ["prefix_cache"] * 3, served[0]["reason"]
+    chosen, runner_up = served[0]["prediction"]["chosen"], served[0]["prediction"]["runner_up"]
+    assert chosen["mode"] == "prefix_cache" and runner_up["mode"] == "int8+prefix_cache"
+    assert chosen["total_s"] < runner_up["total_s"]
+    # the reference engine slows to 10x: its own finished requests correct its curve, and the routing flips
+    app.backend.engines["prefix_cache"].script = replace(scripts["prefix_cache"], token_s=0.03)
+    modes_served = [app.complete([70 + i, 66, 67], max_tokens=12)["modeswitch"]["mode"] for i in range(40)]
+    flip = modes_served.index("int8+prefix_cache")
+    assert flip <= 30 and set(modes_served[flip:]) == {"int8+prefix_cache"}, modes_served
+
+
+def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
+    """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it: a
+    burst of 8 is predicted cheaper split than piled on one lane."""
+    modes = ["prefix_cache", "int8+prefix_cache"]
+    scripts = {m: Script(token_s=0.004, load_s=0.002, batch=8, cpus=(i,)) for i, m in enumerate(modes)}
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True)
+    wait_measured(app, modes)
+    url = app.serve()
+    import requests
+
+    def one(i):
+        body = {"prompt": [80 + i, 81, 82], "max_tokens": 24, "temperature": 0}
+        return requests.post(url + "/v1/completions", json=body, timeout=60).json()["modeswitch"]["mode"]
+
+    with ThreadPoolExecutor(8) as pool:
+        served = list(pool.map(one, range(8)))
+    assert min(served.count(m) for m in modes) >= 2, served
+
+
+def test_an_unmeasured_speculative_mode_masks_nothing(make_app):
+    """A speculative mode whose drafting stream has not been measured predicts nothing: it is not served on a
+    prior, and the speculation gain is the measured pair's alone."""
+    modes = ["prefix_cache", "speculative", "int8+prefix_cache", "int8+speculative"]
+    scripts = {m: Script(token_s=0.002, batch=4) for m in modes}
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts)
+    costs = app.service.costs
+    assert set(costs.binding.pairs) == {"speculative", "int8+speculative"}
+    for stream in ("prefix_cache", "int8+prefix_cache", "int8+speculative drafting"):
+        costs.add_prefill(stream, 8, 0.01)
+        costs.add_step(stream, 1, 0.01 if stream != "int8+speculative drafting" else 0.013)
+    body = app.complete([90, 91, 92], max_tokens=12)["modeswitch"]
+    assert body["mode"] in ("prefix_cache", "int8+prefix_cache") and "speculative" not in body["prediction"]["chosen"]
+    # nothing learned of this kind: a drafting step yields one token, so drafting costs 1.3x: gain 1/1.3
+    assert body["features"]["speculation_gain"] == pytest.approx(1 / 1.3, rel=0.05)
+    f = feats(prompt_tokens=3, max_tokens=12)
+    assert costs.predict("speculative", f) is None and costs.speculation_gain(f, 2.6) == pytest.approx(2.0, rel=0.1)
+
+
+def test_the_quality_gate_comes_before_the_prediction():
+    """The default policy with the shipped vLLM gate report: int8 measured fastest serves; in a report where int8
+    fails the gate it never does, however fast, and the fastest of the rest serves."""
+    import json
+
+    from modeswitch.config import LoadConfig
+    from modeswitch.controller.decide import Controller
+    from modeswitch.controller.load import load_policy
+    from modeswitch.modes import load_modes
+    from modeswitch.resources import shipped_report
+    from modeswitch.serving.registry import ModeRegistry
+    from modeswitch.weights.presets import PRESETS
+    from policy_text import MODES
+
+    pool = ModeRegistry(PRESETS["demo"], load_modes(), LoadConfig(backend="transformers", device="cpu"))
+    for state in pool.modes.values():
+        state.status = "available"
+    costs = CostModel()
+    names = list(pool.modes)
+    costs.bind(Binding(streams={m: m for m in names}, lanes={}, engines={m: m for m in names},
+                       slots={m: 8 for m in names}))
+    for m in names:
+        costs.add_prefill(m, 16, 0.01)
+        costs.add_step(m, 1, 0.005 if m.startswith("int8") else 0.02 if m.startswith("gptq") else 0.01)
+    controller = Controller(pool.modes, load_policy(DEFAULT_POLICY, MODES), costs=costs)
+    report = json.loads(shipped_report("demo", "vllm").read_text())
+    controller.quality_report = report
+    assert controller.decide(feats()).mode == "int8+prefix_cache"
+    int8_fails = {m: report["modes"]["gptq"] for m in names if m.startswith("int8")}
+    controller.quality_report = {**report, "modes": {**report["modes"], **int8_fails}}
+    decision = controller.decide(feats())
+    assert decision.mode == "prefix_cache" and decision.prediction["chosen"]["mode"] == "prefix_cache"
+    assert decision.decision_us > 0
