@@ -185,19 +185,19 @@ class RulePolicy:
 
 def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: str | None) -> Choice:
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
-    unmeasured in the list's order), with the prediction of it and of the runner-up."""
+    unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
+    otherwise (modes on one engine stream with the same prompt to compute share one prediction)."""
     predicted = [(p.total, i, name, p) for i, name in enumerate(admitted) if (p := predict(name)) is not None]
     if not predicted:
         return Choice(admitted[0], f"{why} -> {admitted[0]} (no mode measured yet: the list's order){tail}", rule)
     predicted.sort(key=lambda t: t[:2])
     _, _, best, p = predicted[0]
-    shown = {"mode": best, **p.as_dict()}
-    prediction = {"chosen": shown}
+    prediction = {"chosen": {"mode": best, **p.as_dict()}}
     text = f"{why} -> {best}, predicted {p.total:.3g} s"
-    if len(predicted) > 1:
-        _, _, second, q = predicted[1]
-        prediction["runner_up"] = {"mode": second, **q.as_dict()}
-        text += f" (runner-up {second} {q.total:.3g} s)"
+    second = next(((name, q) for _, _, name, q in predicted[1:] if q is not p), None)
+    if second is not None:
+        prediction["runner_up"] = {"mode": second[0], **second[1].as_dict()}
+        text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
     return Choice(best, text + tail, rule, prediction)
 
 

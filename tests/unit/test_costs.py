@@ -147,8 +147,8 @@ def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_whe
     policy sends every request to the faster; when that engine slows down below the other, its finished requests
     say so and the routing flips within a few requests."""
     modes = ["prefix_cache", "int8+prefix_cache"]
-    scripts = {"prefix_cache": Script(token_s=0.003, batch=4, cpus=(0,)),
-               "int8+prefix_cache": Script(token_s=0.009, batch=4, cpus=(1,))}
+    scripts = {"prefix_cache": Script(token_s=0.006, batch=4, cpus=(0,)),
+               "int8+prefix_cache": Script(token_s=0.018, batch=4, cpus=(1,))}
     app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
     wait_measured(app, modes)
     costs = app.get("/v1/modes").get_json()["costs"]
@@ -162,19 +162,22 @@ def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_whe
     assert chosen["mode"] == "prefix_cache" and runner_up["mode"] == "int8+prefix_cache"
     assert chosen["total_s"] < runner_up["total_s"]
     # the reference engine slows to 10x: its own finished requests correct its curve, and the routing flips
-    app.backend.engines["prefix_cache"].script = replace(scripts["prefix_cache"], token_s=0.03)
+    app.backend.engines["prefix_cache"].script = replace(scripts["prefix_cache"], token_s=0.06)
     modes_served = [app.complete([70 + i, 66, 67], max_tokens=12)["modeswitch"]["mode"] for i in range(40)]
     flip = modes_served.index("int8+prefix_cache")
     assert flip <= 30 and set(modes_served[flip:]) == {"int8+prefix_cache"}, modes_served
 
 
 def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
-    """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it: a
-    burst of 8 is predicted cheaper split than piled on one lane."""
+    """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it (as
+    measured): a burst of 8 is predicted cheaper split than piled on one lane."""
     modes = ["prefix_cache", "int8+prefix_cache"]
     scripts = {m: Script(token_s=0.004, load_s=0.002, batch=8, cpus=(i,)) for i, m in enumerate(modes)}
-    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True)
-    wait_measured(app, modes)
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts)
+    for stream in modes:
+        app.service.costs.add_prefill(stream, 16, 0.001)
+        for load in (1, 2, 4, 8):
+            app.service.costs.add_step(stream, load, 0.004 + 0.002 * (load - 1))
     url = app.serve()
     import requests
 
