@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--w8a8-peer", action="store_true", help="add vLLM's server on the W8A8 checkpoint + n-gram")
     ap.add_argument("--only", action="append", default=None, help="a server's label to run (repeatable; default: all)")
     ap.add_argument("--pinned", action="store_true", help="also run each ModeSwitch server pinned to each of its modes")
+    ap.add_argument("--pinned-repeats", type=int, default=1, help="of the repeats, how many also run every pinned mode")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -145,7 +146,7 @@ def main() -> int:
                     pinned = available_modes(server.url) if args.pinned and server.flags is not None else []
                     for i in range(args.repeats):
                         # the adaptive run, then the same prompts pinned to each mode: drift hits every row alike
-                        for mode in [None, *pinned]:
+                        for mode in [None, *(pinned if i < args.pinned_repeats else [])]:
                             label = server.label if mode is None else f"{server.label} pinned {mode}"
                             got = run_trace(server, tokenizer, rnd * args.repeats + i, mode)
                             records.setdefault(label, []).extend(got)
