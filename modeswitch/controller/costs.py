@@ -171,9 +171,8 @@ class Prediction(NamedTuple):
         return self.own_s + self.delay_s
 
     def as_dict(self) -> dict[str, float]:
-        return {"total_s": round(self.total, 4), "own_s": round(self.own_s, 4), "delay_s": round(self.delay_s, 4),
-                "wait_s": round(self.wait_s, 4), "prefill_s": round(self.prefill_s, 4),
-                "decode_s": round(self.decode_s, 4)}
+        return {"total_s": self.own_s + self.delay_s, "own_s": self.own_s, "delay_s": self.delay_s,
+                "wait_s": self.wait_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
 
 @dataclass(frozen=True)
@@ -350,15 +349,17 @@ class CostModel:
             costs = streams.get(stream)
             if costs is None or not costs.measured:
                 return None
+            step_at = costs.step.at
             lane_load = on_lane.get(lanes.get(mode, ""), 0)
-            step = costs.step.at(lane_load + 1)
+            step = step_at(lane_load + 1)
             prefill = costs.prefill.at(unmatched)
-            steps = max(max_tokens - 1, 0) / (max(tokens_per_step, 1.0) if mode in b.drafting else 1.0)
-            slots = max(b.slots.get(mode, 1), 1)
+            steps = (max_tokens - 1) / tokens_per_step if mode in b.drafting and tokens_per_step > 1 else max_tokens - 1
+            decode = steps * step
+            slots = b.slots.get(mode, 1) or 1
             queued = on_engine.get(engines.get(mode, mode), 0) + 1 - slots
-            wait = math.ceil(queued / slots) * costs.service.y if queued > 0 else 0.0
-            delay = lane_load * (prefill + steps * max(step - costs.step.at(lane_load), 0.0)) if lane_load else 0.0
-            return Prediction(wait + prefill + steps * step, delay, wait, prefill, steps * step)
+            wait = -(-queued // slots) * costs.service.y if queued > 0 else 0.0
+            delay = lane_load * (prefill + steps * max(step - step_at(lane_load), 0.0)) if lane_load else 0.0
+            return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
 
         return predict
 

@@ -312,7 +312,7 @@ class Generation:
             "features": self.features.as_dict(),
             "decision_us": round(self.decision.decision_us, 1),
             "features_us": round(self.features_us, 1),
-            **({"prediction": dict(self.decision.prediction)} if self.decision.prediction else {}),
+            **({"prediction": rounded(self.decision.prediction)} if self.decision.prediction else {}),
             "timings": timings,
             "cached_tokens": self.cached_tokens,
             "energy": self.energy(),
@@ -321,6 +321,13 @@ class Generation:
         if self.attempts:
             out["attempts"] = self.attempts
         return out
+
+
+def rounded(value: Any) -> Any:
+    """A decision's prediction as a response shows it: its seconds to 4 decimals (kept exact while deciding)."""
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return round(value, 4) if isinstance(value, float) else value
 
 
 class Service:
