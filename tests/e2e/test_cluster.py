@@ -34,7 +34,7 @@ def cluster():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # the paper table: its default is prefix_cache, the one mode loaded (the shipped default policy's lists are not)
     server = ServerConfig(model="demo", modes=("prefix_cache",), gate_report="none", policy=POLICIES_DIR / "paper.yaml",
-                          load=LoadConfig(backend="transformers", staged=False), http=HttpConfig(drain_timeout=5))
+                          calibrate=False, load=LoadConfig(backend="transformers", staged=False), http=HttpConfig(drain_timeout=5))
     serve.run(application(ClusterConfig(server=server, replicas=REPLICAS, stats_period_s=0.5)), name="modeswitch",
               route_prefix="/")
     yield f"http://127.0.0.1:{port}"

@@ -75,10 +75,10 @@ def test_merged_metrics_label_each_replica_and_keep_families_whole():
 
 
 @pytest.fixture
-def replica():
+def replica(tmp_path):
     backend = FakeBackend(default=Script(prefix_cache=True))
-    config = ServerConfig(model="demo", modes=("fp16", "prefix_cache"), gate_report="none",
-                          load=LoadConfig(backend="transformers", staged=False))
+    config = ServerConfig(model="demo", modes=("fp16", "prefix_cache"), gate_report="none", calibrate=False,
+                          costs_file=tmp_path / "costs.json", load=LoadConfig(backend="transformers", staged=False))
     core = ReplicaServer(config, "r1", backend=backend)
     yield core
     core.close()
