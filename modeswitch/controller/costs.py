@@ -34,6 +34,7 @@ import bisect
 import json
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,8 +76,9 @@ class Curve:
 
     def __init__(self) -> None:
         self._points: dict[int, _Point] = {}
-        self._xs: list[float] = []  # the measured buckets' mean sizes, ascending, and their mean seconds
-        self._ys: list[float] = []
+        #: the measured buckets' mean sizes, ascending, and their mean seconds: one tuple, replaced whole, so a
+        #: reader on another thread never sees the sizes of one update with the seconds of another
+        self._xy: tuple[list[float], list[float]] = ([], [])
 
     def add(self, size: float, seconds: float) -> None:
         if seconds < 0 or not math.isfinite(seconds):
@@ -86,16 +88,16 @@ class Curve:
 
     def _index(self) -> None:
         points = [p for _, p in sorted(self._points.items())]
-        self._xs, self._ys = [p.x for p in points], [p.y for p in points]
+        self._xy = ([p.x for p in points], [p.y for p in points])
 
     @property
     def measured(self) -> bool:
-        return bool(self._xs)
+        return bool(self._xy[0])
 
     def at(self, size: float) -> float | None:
         """The seconds at ``size``: interpolated between the measured buckets around it, flat below the first,
         extended on the slope of the last two above the last (flat with one); None when nothing is measured."""
-        xs, ys = self._xs, self._ys
+        xs, ys = self._xy
         if not xs:
             return None
         i = bisect.bisect_left(xs, size)
@@ -255,7 +257,7 @@ class CostModel:
             data = dict(self._saved)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # servers sharing the file never share a temp file
             tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
             tmp.replace(self.path)
         except OSError as exc:
