@@ -34,12 +34,15 @@ log = logging.getLogger(__name__)
 class TransformersBackend:
     name = "transformers"
 
-    def __init__(self, preset: Preset, load: LoadConfig, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(self, preset: Preset, load: LoadConfig, checkpoint: Checkpoint | None = None,
+                 repack_gptq: bool = False) -> None:
         """``checkpoint``: one another backend opened already (serving the modes it cannot, see
-        ``backends.fallback``); by default its own."""
+        ``backends.fallback``); by default its own. ``repack_gptq``: GPTQ runs PyTorch's int4 kernel even with
+        eager decode (:attr:`~modeswitch.weights.store.WeightStore.repack_gptq`)."""
         self.checkpoint = checkpoint or Checkpoint(preset, load)
         #: the loaded variants, shared by every mode on them (the lm-eval adapter scores with them too)
         self.weights = self.checkpoint.weights
+        self.weights.repack_gptq |= repack_gptq
         self.device = str(self.checkpoint.device)
         #: the owned loop's ``torch.compile`` mode: CUDA graphs on a GPU; None runs it eager (tests do, to build
         #: loop modes on a CPU in seconds)
