@@ -91,6 +91,12 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     assert all(e["pass"] for m in ("fp16", "prefix_cache") for e in report["modes"][m].values())
     assert not all(e["pass"] for e in report["modes"]["degraded"].values())
     assert "jargon_cloze" in path.with_suffix(".md").read_text()
+    # each verdict carries its paired interval over the 12 documents both it and fp16 scored; prefix_cache scores
+    # fp16's weights, so it differs from fp16 on no document
+    for mode in ("prefix_cache", "degraded"):
+        for task, entry in report["modes"][mode].items():
+            assert len(report["documents"][mode][task]) == 12 and entry["ci"][0] <= entry["delta_pp"] <= entry["ci"][1]
+    assert report["modes"]["prefix_cache"]["jargon_cloze"]["ci"] == [0.0, 0.0]
 
     policy = tmp_path / "policy.yaml"
     policy.write_text("name: prefer-degraded\nrules: []\ndefault: [degraded, prefix_cache]\nfallback: [fp16]\n"
