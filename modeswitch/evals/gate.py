@@ -31,7 +31,7 @@ from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
-from .intervals import CONFIDENCE, documents_needed, paired_interval, per_document
+from .intervals import CONFIDENCE, documents_needed, paired_interval, per_document, uncertain
 from .run import TASKS, evaluate, task_manager
 
 SCORING = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -56,8 +56,8 @@ def task_kinds(tasks) -> dict[str, dict]:
 def mark(report: dict) -> None:
     """Write each mode's delta vs fp16 and pass/fail into the report's entries, judged with the report's
     tolerances; where the report holds per-document scores (``documents``), each entry of a mode other than the
-    reference also gets the paired bootstrap interval of its delta (``ci``), whether the verdict is ``uncertain``
-    (the interval's half-width over the tolerance) and the ``documents_needed`` for one that is not."""
+    reference also gets the paired bootstrap interval of its delta (``ci``), whether its verdict is ``uncertain``
+    (see :func:`~.intervals.uncertain`) and the ``documents_needed`` for a half-width within the tolerance."""
     quality = QualityPolicy(**report["tolerance"])
     base = report["modes"]["fp16"]
     documents = report.get("documents", {})
@@ -75,7 +75,7 @@ def mark(report: dict) -> None:
             lo, hi, n = interval
             tolerance = quality.max_drop_pp if higher else quality.max_ppl_increase_pct
             entry["ci"] = [round(lo, 2), round(hi, 2)]
-            entry["uncertain"] = (hi - lo) / 2 > tolerance
+            entry["uncertain"] = uncertain(lo, hi, tolerance, higher)
             entry["documents_needed"] = documents_needed((hi - lo) / 2, n, tolerance)
 
 
@@ -150,7 +150,7 @@ def render(report: dict) -> str:
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s. Deltas carry the "
              f"{CONFIDENCE:.0%} paired bootstrap interval over the documents both the mode and fp16 scored; a verdict "
-             "is uncertain where the interval's half-width exceeds the tolerance.", "",
+             "is uncertain where the interval reaches both sides of the tolerance.", "",
              "| mode | " + " | ".join(f"{t} ({report['tasks'][t]['metric'].split(',')[0]})" for t in tasks)
              + " | gate | linears |", "|---|" + "---|" * (len(tasks) + 2)]
     for mode, per_task in report["modes"].items():

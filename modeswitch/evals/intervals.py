@@ -7,9 +7,11 @@ the same draw for both, recomputes each aggregate on it (the mean for accuracy-l
 log-likelihood / sum words)`` for the perplexities of rolling log-likelihood tasks) and takes the central
 :data:`CONFIDENCE` of the change (pp or %, as :func:`~modeswitch.controller.quality.change` measures it).
 
-A verdict is *uncertain* when the interval's half-width exceeds the tolerance: at that many documents the data
-cannot tell a pass from a fail. The half-width shrinks as ``1/sqrt(documents)``, so :func:`documents_needed` says
-how many documents the same per-document spread needs for a half-width within the tolerance.
+A verdict is *uncertain* when its interval reaches both sides of the tolerance (:func:`uncertain`): at that many
+documents the data cannot tell a pass from a fail. (A half-width over the tolerance alone does not make it so: a
+-67 pp change with the interval [-92, -42] pp fails at a 1 pp tolerance however wide the interval.) The half-width
+shrinks as ``1/sqrt(documents)``, so :func:`documents_needed` says how many documents the same per-document spread
+needs for a half-width within the tolerance, which any verdict near the tolerance needs.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def paired_interval(mode: dict[str, Score], ref: dict[str, Score], higher_is_bet
     tail = (1 - CONFIDENCE) / 2 * 100
     lo, hi = np.percentile(deltas, [tail, 100 - tail])
     return float(lo), float(hi), len(docs)
+
+
+def uncertain(lo: float, hi: float, tolerance: float, higher_is_better: bool) -> bool:
+    """Whether the change's interval [lo, hi] holds both passing and failing changes: below ``-tolerance`` pp fails
+    for an accuracy, above ``tolerance`` % for a perplexity (as ``controller.quality.task_failure`` judges)."""
+    return lo < -tolerance <= hi if higher_is_better else lo <= tolerance < hi
 
 
 def documents_needed(half_width: float, documents: int, tolerance: float) -> int:

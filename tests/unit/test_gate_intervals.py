@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from modeswitch.evals.gate import mark, render
-from modeswitch.evals.intervals import documents_needed, paired_interval, per_document
+from modeswitch.evals.intervals import documents_needed, paired_interval, per_document, uncertain
 
 
 def accuracy(n: int, wrong: set[int], lost: set[int] = frozenset()) -> dict[str, float]:
@@ -70,17 +70,26 @@ def gate_report(n: int, lost: int) -> dict:
             "documents": {"fp16": {"cloze": ref}, "close": {"cloze": mode}}}
 
 
-@pytest.mark.parametrize("n, lost, uncertain", [(100, 1, True), (20000, 20, False)])
-def test_a_verdict_wider_than_its_tolerance_is_uncertain_and_says_how_many_documents_it_needs(n, lost, uncertain):
-    """100 documents, one lost: -1.0 pp passes a 1 pp tolerance as a point estimate, but its interval spans more
-    than +-1 pp; 20,000 documents with the same rate pin it down."""
+@pytest.mark.parametrize("n, lost, uncertain, passes",
+                         [(100, 1, True, True), (20000, 20, False, True), (100, 20, False, False)])
+def test_a_verdict_whose_interval_straddles_its_tolerance_is_uncertain_and_says_how_many_documents_it_needs(
+        n, lost, uncertain, passes):
+    """100 documents, one lost: -1.0 pp passes a 1 pp tolerance as a point estimate, but its interval reaches past
+    -1 pp; 20,000 documents with a tenth of that rate pin a pass down; 20 of 100 lost is a failure however wide its
+    interval."""
     report = gate_report(n, lost)
     mark(report)
     entry = report["modes"]["close"]["cloze"]
-    assert entry["pass"] and entry["uncertain"] is uncertain and "ci" not in report["modes"]["fp16"]["cloze"]
+    assert entry["pass"] is passes and entry["uncertain"] is uncertain and "ci" not in report["modes"]["fp16"]["cloze"]
     lo, hi = entry["ci"]
     assert lo <= entry["delta_pp"] <= hi
     row = next(line for line in render(report).splitlines() if line.startswith("| close |"))
-    assert ("| pass (uncertain) |" in row) is uncertain
+    assert (f"| {'pass' if passes else 'fail'} (uncertain) |" in row) is uncertain
     if uncertain:
         assert entry["documents_needed"] > n and f"needs ~{entry['documents_needed']} documents" in row
+
+
+def test_uncertain_means_the_interval_holds_a_pass_and_a_fail():
+    assert uncertain(-3.0, 0.0, 1.0, higher_is_better=True) and not uncertain(-0.9, 5.0, 1.0, True)
+    assert not uncertain(-92.0, -42.0, 1.0, True)
+    assert uncertain(8.0, 12.0, 10.0, higher_is_better=False) and not uncertain(11.0, 40.0, 10.0, False)
