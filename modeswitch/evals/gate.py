@@ -31,6 +31,7 @@ from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
+from .intervals import CONFIDENCE, documents_needed, paired_interval, per_document, uncertain
 from .run import TASKS, evaluate, task_manager
 
 SCORING = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
@@ -54,14 +55,28 @@ def task_kinds(tasks) -> dict[str, dict]:
 
 def mark(report: dict) -> None:
     """Write each mode's delta vs fp16 and pass/fail into the report's entries, judged with the report's
-    tolerances."""
+    tolerances; where the report holds per-document scores (``documents``), each entry of a mode other than the
+    reference also gets the paired bootstrap interval of its delta (``ci``), whether its verdict is ``uncertain``
+    (see :func:`~.intervals.uncertain`) and the ``documents_needed`` for a half-width within the tolerance."""
     quality = QualityPolicy(**report["tolerance"])
     base = report["modes"]["fp16"]
-    for per_task in report["modes"].values():
+    documents = report.get("documents", {})
+    for mode, per_task in report["modes"].items():
         for task, entry in per_task.items():
             higher, ref = report["tasks"][task]["higher_is_better"], base[task]["value"]
             entry["delta_pp" if higher else "delta_pct"] = round(change(entry["value"], ref, higher), 2)
             entry["pass"] = task_failure(task, entry["value"], ref, higher, quality) is None
+            scores, ref_scores = documents.get(mode, {}).get(task), documents.get("fp16", {}).get(task)
+            if mode == "fp16" or not scores or not ref_scores:
+                continue
+            interval = paired_interval(scores, ref_scores, higher)
+            if interval is None:
+                continue
+            lo, hi, n = interval
+            tolerance = quality.max_drop_pp if higher else quality.max_ppl_increase_pct
+            entry["ci"] = [round(lo, 2), round(hi, 2)]
+            entry["uncertain"] = uncertain(lo, hi, tolerance, higher)
+            entry["documents_needed"] = documents_needed((hi - lo) / 2, n, tolerance)
 
 
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
@@ -74,6 +89,8 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     started = time.perf_counter()
     by_weights: dict[str, dict] = {}
     modes: dict[str, dict] = {}
+    #: mode -> task -> doc_id -> its score (what the verdicts' paired intervals resample)
+    documents: dict[str, dict] = {}
     unavailable: dict[str, str] = {}
     kernels: dict[str, dict | None] = {}
     served_by = None
@@ -88,12 +105,15 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
         served_by, kernels[spec.name] = lm.backend, lm.kernels
         try:
             if scoring and spec.weights not in by_weights:
-                by_weights[spec.weights] = evaluate(lm, scoring, limit)["results"]
-            results = dict(by_weights.get(spec.weights, {}))
+                by_weights[spec.weights] = evaluate(lm, scoring, limit, log_samples=True)
+            evaluated = [by_weights[spec.weights]] if scoring else []
             if generating:
-                results.update(evaluate(lm, generating, limit)["results"])
+                evaluated.append(evaluate(lm, generating, limit, log_samples=True))
         finally:
             lm.registry.close()
+        results = {t: r for e in evaluated for t, r in e["results"].items()}
+        documents[spec.name] = {t: per_document(s, kinds[t]["metric"]) for e in evaluated
+                                for t, s in e["samples"].items() if t in kinds}
         modes[spec.name] = {t: {"metric": kinds[t]["metric"], "value": float(results[t][kinds[t]["metric"]]),
                                 "stderr": _num(results[t].get(kinds[t]["metric"].replace(",", "_stderr,", 1)))}
                             for t in kinds}
@@ -107,7 +127,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
 
     report = {"model": model, "backend": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
               "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "kernels": kernels,
-              "unavailable": unavailable,
+              "unavailable": unavailable, "documents": documents,
               "seconds": round(time.perf_counter() - started, 1),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
@@ -128,7 +148,9 @@ def render(report: dict) -> str:
     lines = [f"# Quality gate: {report['model']}{backend} ({report['date']})", "",
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
-             f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s.", "",
+             f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s. Deltas carry the "
+             f"{CONFIDENCE:.0%} paired bootstrap interval over the documents both the mode and fp16 scored; a verdict "
+             "is uncertain where the interval reaches both sides of the tolerance.", "",
              "| mode | " + " | ".join(f"{t} ({report['tasks'][t]['metric'].split(',')[0]})" for t in tasks)
              + " | gate | linears |", "|---|" + "---|" * (len(tasks) + 2)]
     for mode, per_task in report["modes"].items():
@@ -136,9 +158,16 @@ def render(report: dict) -> str:
         for t in tasks:
             e = per_task[t]
             err = f" ± {e['stderr']:.3f}" if e["stderr"] is not None else ""
-            delta = f"{e['delta_pp']:+.1f} pp" if "delta_pp" in e else f"{e['delta_pct']:+.1f} %"
+            unit = " pp" if "delta_pp" in e else " %"
+            delta = f"{e.get('delta_pp', e.get('delta_pct')):+.1f}{unit}"
+            if "ci" in e:
+                delta += f", {CONFIDENCE:.0%} CI [{e['ci'][0]:+.1f}, {e['ci'][1]:+.1f}]" + \
+                    (f", uncertain: needs ~{e['documents_needed']} documents" if e["uncertain"] else "")
             cells.append(f"{e['value']:.4g}{err} ({delta}{'' if e['pass'] else ', FAIL'})")
-        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {'pass' if verdicts[mode] is None else 'fail'} | "
+        verdict = "pass" if verdicts[mode] is None else "fail"
+        if any(per_task[t].get("uncertain") for t in tasks):
+            verdict += " (uncertain)"
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {verdict} | "
                      f"{linears(report.get('kernels', {}).get(mode))} |")
     for mode, why in report["unavailable"].items():
         lines.append(f"| {mode} | " + " | ".join("–" for _ in tasks) + f" | unavailable: {why} | – |")

@@ -16,11 +16,13 @@ def task_manager(tasks=TASKS):
     return TaskManager(include_path=str(EVAL_TASKS_DIR), include_defaults=not set(tasks) <= set(TASKS))
 
 
-def evaluate(model, tasks=TASKS, limit: int | None = None, model_args: str | dict | None = None) -> dict:
-    """``lm_eval.simple_evaluate`` on the project's tasks; ``model`` is an LM instance or a registry name."""
+def evaluate(model, tasks=TASKS, limit: int | None = None, model_args: str | dict | None = None,
+             log_samples: bool = False) -> dict:
+    """``lm_eval.simple_evaluate`` on the project's tasks; ``model`` is an LM instance or a registry name.
+    ``log_samples``: the result's ``samples`` hold every document's scores (what the gate's intervals resample)."""
     import lm_eval
 
     from . import adapter  # noqa: F401  (registers the 'modeswitch' model)
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), limit=limit,
-                                   task_manager=task_manager(tasks), batch_size=1, log_samples=False)
+                                   task_manager=task_manager(tasks), batch_size=1, log_samples=log_samples)

@@ -62,9 +62,9 @@ def describe_torch_linear(module, compute) -> LinearKernels:
     if isinstance(module, Int8WeightOnlyLinear):
         return LinearKernels("int8", "int8 weight-only, per output channel", compute, compute,
                              "int8 weight-only matmul (dequantized in the matmul, fused by Inductor when compiled)")
-    if isinstance(module, Int4Linear):
-        return LinearKernels("int4", "gptq 4-bit, repacked for tinygemm", compute, compute,
-                             "aten._weight_int4pack_mm (tinygemm)")
+    if isinstance(module, Int4Linear):  # it hands the kernel bf16 activations, whatever the compute dtype
+        return LinearKernels("int4", f"gptq 4-bit, group {module.group_size}, repacked for tinygemm", "bfloat16",
+                             compute, "aten._weight_int4pack_mm (tinygemm)")
     if kind == "Linear8bitLt":
         return LinearKernels("int8", "bitsandbytes LLM.int8", f"int8 per row, outlier columns in {compute}", compute,
                              "bitsandbytes int8 matmul")

@@ -103,6 +103,9 @@ class WeightStore:
         self.device = device
         self.dtype = dtype
         self.compiled_kernels = compiled_kernels
+        #: GPTQ repacked for PyTorch's int4 kernel (:func:`~.kernels.repack_gptq`) with eager decode too: what the
+        #: transformers engine runs where it serves GPTQ for vLLM (see ``backends.fallback``)
+        self.repack_gptq = compiled_kernels
         self.models: dict[str, Any] = {}
         self.load_seconds: dict[str, float] = {}
         self._refs: dict[str, str] = {}
@@ -150,7 +153,7 @@ class WeightStore:
             kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
         try:
             model = load_causal_lm(ref, self.device, self.dtype, f"{variant} weights of {self.preset.name}", **kwargs)
-            if self.compiled_kernels:
+            if self.compiled_kernels or (variant == "gptq" and self.repack_gptq):
                 self._compilable(variant, model, progress)
         except Exception as exc:
             self._failed[variant] = f"{variant} weights failed to load: {exc}"

@@ -14,6 +14,7 @@ import requests
 import torch
 
 from conftest import ROOT
+from modeswitch.device import cpu_has_bf16
 from modeswitch.evals.gate import run_gate, write
 from modeswitch.evals.run import evaluate
 from modeswitch.serving.launcher import start_server
@@ -90,6 +91,12 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
     assert all(e["pass"] for m in ("fp16", "prefix_cache") for e in report["modes"][m].values())
     assert not all(e["pass"] for e in report["modes"]["degraded"].values())
     assert "jargon_cloze" in path.with_suffix(".md").read_text()
+    # each verdict carries its paired interval over the 12 documents both it and fp16 scored; prefix_cache scores
+    # fp16's weights, so it differs from fp16 on no document
+    for mode in ("prefix_cache", "degraded"):
+        for task, entry in report["modes"][mode].items():
+            assert len(report["documents"][mode][task]) == 12 and entry["ci"][0] <= entry["delta_pp"] <= entry["ci"][1]
+    assert report["modes"]["prefix_cache"]["jargon_cloze"]["ci"] == [0.0, 0.0]
 
     policy = tmp_path / "policy.yaml"
     policy.write_text("name: prefer-degraded\nrules: []\ndefault: [degraded, prefix_cache]\nfallback: [fp16]\n"
@@ -110,7 +117,7 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
         # the row each mode is judged by, scored on the kernels it runs here (the report records its card)
         row = listed["prefix_cache"]["gate_row"]
         assert (row["report"], row["row"], row["same_kernels"]) == ("demo-transformers.json", "prefix_cache", True)
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        native = cpu_has_bf16()  # as the server sees the CPU (MODESWITCH_CPU=avx2 says it has no bf16)
         assert row["scored_on"] == listed["prefix_cache"]["kernels"]
         assert row["scored_on"]["weights"] == ("bfloat16" if native else "float32")  # the default reference
 

