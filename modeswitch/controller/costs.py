@@ -206,7 +206,8 @@ class CostModel:
         self.path = Path(path) if path is not None else None
         self.binding = Binding({}, {}, {}, {})
         self._streams: dict[str, StreamCosts] = {}
-        self._keys: dict[str, str] = {}  # stream -> the key its curves were measured under
+        self._keys: dict[str, str] = {}  # stream -> the key its curves are kept under
+        self._stale: set[str] = set()  # streams whose engine changed since their curves were measured
         #: what the engines' calibration is doing (``serving.calibrate``), as ``/v1/modes`` shows it
         self.calibration = "off"
         self._saved: dict[str, Any] = self._read()
@@ -214,9 +215,11 @@ class CostModel:
 
     # ------------------------------------------------------------------ binding and persistence
     def bind(self, binding: Binding) -> None:
-        """The resident modes as they stand now. A stream keeps its curves while its key is the same; a stream
-        whose key changed (its engine now compiled, say) starts from what was measured under the new key (this
-        run, an earlier one, or nothing), its old curves kept under the old key."""
+        """The resident modes as they stand now. A stream keeps its curves while its key is the same. A stream
+        whose key changed (its engine now compiled, say) takes what was measured under the new key (this run or
+        an earlier one); with nothing there it keeps its curves, marked stale, until it is measured again
+        (:meth:`needs_measuring`): an engine that changed is still better predicted by its old figures than not
+        at all. Curves left behind are kept under their old key."""
         with self._lock:
             self.binding = binding
             keys = binding.keys or {}
@@ -229,10 +232,15 @@ class CostModel:
                     self._saved[self._keys[stream]] = old.dump()
                 saved = self._saved.get(key) if key else None
                 try:
-                    self._streams[stream] = StreamCosts.load(saved) if saved else StreamCosts.empty()
+                    fresh = StreamCosts.load(saved) if saved else None
                 except (KeyError, TypeError, ValueError):
                     log.warning("ignoring the saved costs of %s: not in the expected shape", stream)
-                    self._streams[stream] = StreamCosts.empty()
+                    fresh = None
+                if fresh is None and old is not None and old.measured:
+                    self._stale.add(stream)
+                else:
+                    self._streams[stream] = fresh or StreamCosts.empty()
+                    self._stale.discard(stream)
                 self._keys[stream] = key
 
     def _read(self) -> dict[str, Any]:
@@ -271,6 +279,18 @@ class CostModel:
     def measured(self, stream: str) -> bool:
         costs = self._streams.get(stream)
         return costs is not None and costs.measured
+
+    def needs_measuring(self, stream: str) -> str | None:
+        """Why ``stream`` should be calibrated ("unmeasured", or "stale": its engine changed), or None."""
+        if not self.measured(stream):
+            return "unmeasured"
+        return "stale" if stream in self._stale else None
+
+    def install(self, stream: str, costs: StreamCosts) -> None:
+        """Replace ``stream``'s curves with a calibration's, measured whole before they count."""
+        with self._lock:
+            self._streams[stream] = costs
+            self._stale.discard(stream)
 
     def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:
         costs = self.stream(stream)

@@ -12,9 +12,11 @@ requests go straight to one of the stream's modes:
   token is turned into time per target step by the target steps the engine reports.
 
 Streams are measured one at a time (a stream measured beside another would time their contention), each with
-live requests beside it as they come: the measurements are corrected by every finished request anyway. The
-calibration then looks again every :data:`RECHECK_S`: an engine that changed (compiled behind the requests, so
-its key changed) or came back is measured again under its new key.
+live requests beside it as they come: the measurements are corrected by every finished request anyway. A
+stream's calibration is measured whole before it replaces the stream's curves. The calibration then looks again
+every :data:`RECHECK_S`: an engine that changed (compiled behind the requests, so its key changed) keeps its old
+curves until it is measured again under its new key, which waits for a moment its lane is idle (measured beside
+live requests, its times would be theirs too).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..controller.costs import CostModel
+from ..controller.costs import CostModel, StreamCosts
 from ..controller.speculation import tokens_per_step
 from ..engines.base import GenRequest, SamplingParams
 from .registry import ModeRegistry, ModeState
@@ -121,27 +123,33 @@ class Calibration:
                 time.sleep(0.2)
 
     def measure_unmeasured(self) -> list[str]:
-        """Measure each stream the cost model has no curves of; returns those measured."""
+        """Measure each stream the cost model has no curves of, and each stale one whose lane is idle; returns
+        those measured."""
         started, measured = time.perf_counter(), []
         for stream, state in self.representatives().items():
-            if self.costs.measured(stream) or self.registry.closing:
+            why = self.costs.needs_measuring(stream)
+            if why is None or self.registry.closing or (why == "stale" and self._lane_busy(state)):
                 continue
             self.costs.calibration = f"measuring {stream}"
             try:
-                self.measure(stream, state)
+                self.costs.install(stream, self.measure(stream, state))
             except Exception as exc:  # a stream that cannot be measured is left to the live requests
                 log.warning("calibrating %s on mode %s failed: %s", stream, state.name, exc)
                 continue
+            self._report(stream, state)
             measured.append(stream)
         self.measured += measured
-        unmeasured = sorted(s for s in set(self.costs.binding.streams.values()) if not self.costs.measured(s))
-        self.costs.calibration = "done" + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
+        pending = sorted(s for s in set(self.costs.binding.streams.values()) if self.costs.needs_measuring(s))
+        self.costs.calibration = "done" + (f"; to measure: {', '.join(pending)}" if pending else "")
         if measured:
             self.costs.save()
             idle = self.costs.idle_by_measurement()
             self.progress(f"costs measured for {', '.join(measured)} in {time.perf_counter() - started:.0f} s"
                           + (f"; slower than another engine at every load: {', '.join(idle)}" if idle else ""))
         return measured
+
+    def _lane_busy(self, state: ModeState) -> bool:
+        return self.costs.lane_load(state.name, {n: m.in_flight for n, m in self.registry.modes.items()}) > 0
 
     def representatives(self) -> dict[str, ModeState]:
         """Per stream, the mode its calibration requests go to: one reading no prefix cache where there is one."""
@@ -164,14 +172,16 @@ class Calibration:
         unit = draw(8)
         return (unit * (n // 8 + 1))[:n]
 
-    def measure(self, stream: str, state: ModeState) -> None:
+    def measure(self, stream: str, state: ModeState) -> StreamCosts:
+        """``stream``'s curves, timed on ``state``'s engine."""
+        fresh = StreamCosts.empty()
         drafting = state.speculative
         context = self.registry.context_length or 2048
         for n in (n for n in PROMPT_TOKENS if n + 2 <= context):
             t = _run(state, [self._prompt(n)], 2)[0]
             if t.error or t.first is None:
                 raise RuntimeError(t.error or "no token")
-            self.costs.add_prefill(stream, n, t.first - t.submitted)
+            fresh.prefill.add(n, t.first - t.submitted)
         slots = max(state.batch_slots, 1)
         for load in (n for n in LOADS if n <= min(slots, state.max_queue)):
             timed = _run(state, [self._prompt(32, repeat=drafting) for _ in range(load)], TOKENS)
@@ -189,7 +199,10 @@ class Calibration:
                 per_step.append(seconds)
             if not per_step:
                 raise RuntimeError(f"no timed step at load {load}")
-            self.costs.add_step(stream, load + lane, statistics.median(per_step))
+            fresh.step.add(load + lane, statistics.median(per_step))
+        return fresh
+
+    def _report(self, stream: str, state: ModeState) -> None:
         curve = self.costs.stream(stream)
         steps = ", ".join(f"{x:g}: {y * 1e3:.1f}" for x, y, _ in curve.step.dump())
         self.progress(f"costs of {stream} (mode {state.name}): ms per step by lane load {steps}; prefill of "

@@ -242,3 +242,27 @@ def test_the_quality_gate_comes_before_the_prediction():
     decision = controller.decide(feats())
     assert decision.mode == "prefix_cache" and decision.prediction["chosen"]["mode"] == "prefix_cache"
     assert decision.decision_us > 0
+
+
+def test_an_engine_that_changed_keeps_its_old_curves_until_measured_again(tmp_path):
+    """Compiled behind the requests, an engine's key changes: its eager curves still predict (better than none)
+    until a calibration replaces them whole; the eager ones stay kept under their own key."""
+    binding = Binding(streams={"fp16": "fp16"}, lanes={}, engines={}, slots={}, keys={"fp16": "eager"})
+    costs = CostModel(tmp_path / "costs.json")
+    costs.bind(binding)
+    assert costs.needs_measuring("fp16") == "unmeasured"
+    costs.add_prefill("fp16", 16, 0.1)
+    costs.add_step("fp16", 1, 0.05)
+    assert costs.needs_measuring("fp16") is None
+    costs.bind(replace(binding, keys={"fp16": "compiled"}))
+    assert costs.needs_measuring("fp16") == "stale" and costs.predict("fp16", feats(max_tokens=3)) is not None
+    fresh = costs.stream("fp16").empty()
+    fresh.prefill.add(16, 0.1)
+    fresh.step.add(1, 0.02)
+    costs.install("fp16", fresh)
+    assert costs.needs_measuring("fp16") is None
+    assert costs.predict("fp16", feats(max_tokens=3)).decode_s == pytest.approx(0.04)
+    costs.save()
+    eager = CostModel(tmp_path / "costs.json")
+    eager.bind(binding)
+    assert eager.predict("fp16", feats(max_tokens=3)).decode_s == pytest.approx(0.1)
