@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from modeswitch.controller.completed import Completed
-from modeswitch.controller.costs import Binding, CostModel, Curve, stream_key
+from modeswitch.controller.costs import Binding, CostModel, Curve, StreamCosts, stream_key
 from modeswitch.resources import DEFAULT_POLICY
 from modeswitch.testing.engine import Script
 from policy_text import feats, policy_from
@@ -256,7 +256,7 @@ def test_an_engine_that_changed_keeps_its_old_curves_until_measured_again(tmp_pa
     assert costs.needs_measuring("fp16") is None
     costs.bind(replace(binding, keys={"fp16": "compiled"}))
     assert costs.needs_measuring("fp16") == "stale" and costs.predict("fp16", feats(max_tokens=3)) is not None
-    fresh = costs.stream("fp16").empty()
+    fresh = StreamCosts.empty()
     fresh.prefill.add(16, 0.1)
     fresh.step.add(1, 0.02)
     costs.install("fp16", fresh)
