@@ -88,10 +88,12 @@ def run_trace(server: Server, tokenizer, run: int, mode: str | None = None) -> l
 
 
 def available_modes(url: str) -> list[str]:
-    """The modes a ModeSwitch server has available, in its /v1/modes order."""
+    """The modes a ModeSwitch server has available and its quality gate passes (what a pinned request may use),
+    in its /v1/modes order."""
     import requests
 
-    return [m["name"] for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"] if m["status"] == "available"]
+    return [m["name"] for m in requests.get(url + "/v1/modes", timeout=30).json()["modes"]
+            if m["status"] == "available" and m.get("quality_gate", "pass") == "pass"]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -222,8 +224,10 @@ def report(summary: dict[str, dict[str, dict]]) -> str:
             for p in PHASES:
                 best = min(static, key=lambda l: summary[l][p]["mean_s"])
                 ratio = summary[best][p]["mean_s"] / summary[label][p]["mean_s"]
-                per_run = [min(summary[l][p]["run_means_s"][i] for l in static) / own
-                           for i, own in enumerate(summary[label][p]["run_means_s"])]
+                # the runs both sides have (pinned rows may run fewer repeats than the adaptive one)
+                per_run = [min(means) / own for i, own in enumerate(summary[label][p]["run_means_s"])
+                           if (means := [summary[l][p]["run_means_s"][i] for l in static
+                                         if i < len(summary[l][p]["run_means_s"])])]
                 cells.append(f"**{ratio:.2f}x** (runs {', '.join(f'{r:.2f}' for r in per_run)}) vs {best}")
             lines.append(f"| {label}: best {name} / it | " + " | ".join(cells) + " |")
         mix = "; ".join(f"{p}: {summary[label][p]['modes']}" for p in PHASES[:-1])
