@@ -19,10 +19,9 @@ if TYPE_CHECKING:
 
 Progress = Callable[[str], None]
 
-#: how often a backend's supervisor looks at its engines (so a dead or wedged engine is found within this)
+#: how often a backend's supervisor looks at its engines (so a dead or wedged engine is found within this); when
+#: a dead engine is started again is :mod:`.restarts`'s to say
 SUPERVISE_S = 0.5
-#: a dead engine is started again at most this many times over the server's life
-MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)

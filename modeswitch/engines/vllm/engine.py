@@ -408,22 +408,15 @@ class VllmEngine(Engine):
         #: a drafting request's prompt logprobs are not returned; vLLM refuses min_p and logit_bias on requests
         #: that draft (``SamplingParams._validate_spec_decode``)
         self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if self.speculative else OPTIONS
-        #: deaths and restarts of the engine it runs on (``modeswitch.backends.vllm`` supervises it)
-        self.counters = {"requests": 0, "generated_tokens": 0, "engine_deaths": 0, "engine_restarts": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
         if self.speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
 
-    def died(self, reason: str, restarting: bool) -> None:
-        """Its engine died (the runner has answered every request it held)."""
-        self.counters["engine_deaths"] += 1
-        self.report_health(reason, restarting)
-
     def restarted(self, runner: VllmRunner) -> None:
         """Its engine was started again: serve from ``runner`` from now on."""
         self.serve_from(runner)
-        self.counters["engine_restarts"] += 1
         self.report_health(None)
 
     def serve_from(self, runner: VllmRunner) -> None:
@@ -500,7 +493,8 @@ class VllmEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "vllm_engine": self.runner.name, "engine_steps": self.runner.stats.steps,
-                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters)}
+                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters),
+                **self.supervision()}
 
     def close(self) -> None:
         """Nothing of its own to stop: the runner is shared by every mode on it, and whoever started the
