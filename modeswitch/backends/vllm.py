@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from ..config import LoadConfig
+from ..engines.vllm import compat as vllm_compat
 from ..engines.vllm import plugin as vllm_plugin
 from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
@@ -76,6 +77,7 @@ class VllmBackend:
     name = gate_key = "vllm"
 
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
+        vllm_compat.require()  # an untested vLLM is refused here, with one line, before anything starts
         self.checkpoint = Checkpoint(preset, load)
         #: vLLM's own default, on a CPU too: its engines compile the model (Inductor; CUDA graphs on a GPU)
         #: unless ``--decode eager``. On the 2-core AVX2 demo machine eager engines served 0.87x / 0.72x of

@@ -41,7 +41,7 @@ from ...device import processes_memory
 from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
                     spec_tokens_per_step, stalled)
 from ..grammar import JSON_OBJECT
-from . import drafting, plugin
+from . import compat, drafting, plugin
 from .paged_prefix import PagedPrefixShadow
 from .probe import WORKER_EXTENSION
 
@@ -148,10 +148,10 @@ class RunnerStats:
 
 
 def engine_pids(llm) -> list[int]:
-    """The engine-core processes of one ``LLMEngine`` and their workers."""
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    """The engine-core processes of one ``LLMEngine`` and their workers (a vLLM without them read where
+    :mod:`.compat` reads them raises: death detection and memory readings rely on them)."""
     pids = []
-    for proc in getattr(manager, "processes", []):
+    for proc in compat.engine_processes(llm):
         pids.append(proc.pid)
         try:
             pids += [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
@@ -386,9 +386,7 @@ class VllmRunner:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        shutdown = getattr(self.llm.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        compat.engine_shutdown(self.llm)
 
 
 class VllmEngine(Engine):
