@@ -389,7 +389,7 @@ class VllmBackend:
             front.report_health(record.down_reason(reason), not record.parked)
 
     def _restart(self, key: str, dead: VllmRunner, delay: float) -> None:
-        """Start engine ``key`` again after ``delay`` seconds; a start that fails counts as a death (so a engine
+        """Start engine ``key`` again after ``delay`` seconds; a start that fails counts as a death (so an engine
         that cannot start any more ends in a crash loop's backoff, and is tried again after it)."""
         record = self.restarts[key]
         while not self._closing.wait(delay):

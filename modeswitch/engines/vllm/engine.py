@@ -136,6 +136,11 @@ class _Live:
     def generated(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the engine drafts for it: its mode drafts, and it is not a scoring request (they draft nothing)."""
+        return self.front.draft_tokens > 0 and self.req.params.prompt_logprobs is None
+
     def computed_ids(self) -> list[int]:
         """Tokens whose KV the engine has computed: the prompt and every output token but the newest."""
         return list(self.req.prompt_ids) + self.output_ids[:-1]
@@ -143,8 +148,25 @@ class _Live:
 
 @dataclass
 class RunnerStats:
+    """What an engine's steps did, read from what each step returned (the requests that advanced in it), not from
+    what was submitted: vLLM's scheduler decides which requests share a step."""
+
     steps: int = 0
+    #: the most requests the engine held at once (submitted and not finished)
     max_running: int = 0
+    #: steps in which two or more requests advanced together (a batch)
+    steps_batched: int = 0
+    #: steps in which a request that drafts advanced with another that samples (temperature > 0): the batches
+    #: the CPU expand kernel's fix is for (``drafting.fix_cpu_expand``)
+    steps_drafting_with_sampled: int = 0
+
+    def record(self, advanced: list["_Live"], held: int) -> None:
+        self.steps += 1
+        self.max_running = max(self.max_running, held)
+        self.steps_batched += len(advanced) >= 2
+        drafting = [live for live in advanced if live.drafts]
+        self.steps_drafting_with_sampled += any(
+            other is not live and other.req.params.temperature > 0 for live in drafting for other in advanced)
 
 
 def engine_pids(llm) -> list[int]:
@@ -243,7 +265,8 @@ class VllmRunner:
         """The engine as ``/v1/modes`` shows it: its processes and their memory, steps, KV blocks, the prefix
         shadow."""
         return {"pids": self.pids, **self.memory(), "steps": self.stats.steps,
-                "max_running": self.stats.max_running,
+                "max_running": self.stats.max_running, "steps_batched": self.stats.steps_batched,
+                "steps_drafting_with_sampled": self.stats.steps_drafting_with_sampled,
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
 
@@ -337,8 +360,8 @@ class VllmRunner:
                 self._step_since = None
                 if token is not None:
                     self.energy.end(token)
-            self.stats.steps += 1
-            self.stats.max_running = max(self.stats.max_running, len(self._live))
+            self.stats.record([live for out in outputs if (live := self._live.get(out.request_id)) is not None],
+                              len(self._live))
             for out in outputs:
                 self._route(out)
         self._fail_live(self._stop_reason)
