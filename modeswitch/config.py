@@ -78,6 +78,14 @@ class LoadConfig:
                                    "its requests are answered at once; a vLLM engine is killed and started again, "
                                    "as a dead one is; a transformers engine gets a new worker thread once the "
                                    "step has returned (0: never)")
+    crash_loop_deaths: int = option(5, "an engine that dies is started again at once, each time; more than this "
+                                    "many deaths (failed starts included) within --crash-loop-window-s is a crash "
+                                    "loop: its modes are unavailable, with the reason, until --crash-loop-backoff-s "
+                                    "has passed, and then it is started again")
+    crash_loop_window_s: float = option(600.0, "seconds over which an engine's deaths count towards a crash loop")
+    crash_loop_backoff_s: float = option(120.0, "seconds a crash-looping engine waits before it is started again, "
+                                         "doubling with each crash loop in a row up to --crash-loop-backoff-max-s")
+    crash_loop_backoff_max_s: float = option(1800.0, "the longest wait of a crash-looping engine")
     yield_start_s: float = option(300.0, "with a staged start on vLLM engines: seconds the engines starting in the "
                                   "background yield the CPU to the requests served (Linux SCHED_IDLE, where the "
                                   "process may return from it) before competing for it; 0: they compete from the start")

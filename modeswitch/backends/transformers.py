@@ -25,8 +25,9 @@ from ..memory import Footprint, MemoryPlan
 from ..modes import ModeSpec
 from ..weights.precision import describe_torch_linear, first_linear
 from ..weights.presets import Preset
-from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, ModelInfo, Progress
+from .base import SUPERVISE_S, BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
+from .restarts import RestartPolicy, Restarts
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class TransformersBackend:
         self.stall_s = load.engine_stall_s
         #: a staged start builds a missing demo checkpoint under SCHED_IDLE, behind the requests served
         self.staged = load.staged
+        self.restart_policy = RestartPolicy.of(load)
         #: the engines the supervisor watches, and those given up on until they serve again
         self._supervised: dict[str, SerialEngine | ContinuousBatchingEngine] = {}
         self._down: set[str] = set()
@@ -83,6 +85,7 @@ class TransformersBackend:
             engine = self._loop_engine(spec, model, details, progress)
         else:
             engine = self._generate_engine(spec, model, details, progress)
+        engine.restarts = Restarts(self.restart_policy)
         self._supervised[spec.name] = engine
         if not self._supervisor.is_alive() and not self._closing.is_set():
             self._supervisor.start()
@@ -153,33 +156,34 @@ class TransformersBackend:
         """Every :data:`SUPERVISE_S`: an engine that cannot serve any more (a one-at-a-time engine's worker thread
         exited, continuous batching's manager or router thread ended, or a step ran past ``--engine-stall-s``)
         leaves the pool (its mode ``restarting``), its requests are answered, and it serves again once its old
-        thread is gone (:meth:`resume`: a new worker, or a new manager), up to :data:`MAX_RESTARTS` times; then the
-        mode is ``unavailable`` with the reason."""
+        thread is gone (:meth:`resume`: a new worker, or a new manager), every time; a crash loop leaves the mode
+        ``unavailable`` until its backoff has passed (:mod:`.restarts`)."""
         while not self._closing.wait(SUPERVISE_S):
             for name, engine in list(self._supervised.items()):
+                record = engine.restarts
                 if name in self._down:
+                    due = record.next_retry_s()
+                    if due is not None and due > 0:
+                        continue
+                    if record.parked:  # its backoff is over: it is being started again
+                        engine.report_health(f"transformers engine {name}: started again after a crash loop", True)
+                        record.retrying()
                     if engine.resume():
                         self._down.discard(name)
-                        engine.counters["engine_restarts"] += 1
-                        log.info("mode %s: its engine serves again (restart %d)", name,
-                                 engine.counters["engine_restarts"])
+                        record.started()
+                        log.info("mode %s: its engine serves again (restart %d)", name, record.restarts)
                         engine.report_health(None)
                     continue
                 why = engine.fault(self.stall_s)
                 if why is None:
                     continue
                 reason = f"transformers engine {name}: {why}"
-                restarting = engine.counters["engine_restarts"] < MAX_RESTARTS
-                log.warning("%s; %d restart(s) so far", reason, engine.counters["engine_restarts"])
-                engine.counters["engine_deaths"] += 1
+                record.died(reason)
+                log.warning("%s; %d death(s), %d restart(s) so far", reason, record.deaths, record.restarts)
                 # out of the pool before its requests are answered, so that none is retried on it
-                engine.report_health(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} "
-                                     "restarts", restarting)
+                engine.report_health(record.down_reason(reason), not record.parked)
                 engine.abandon(reason)
-                if restarting:
-                    self._down.add(name)
-                else:
-                    del self._supervised[name]
+                self._down.add(name)
 
     def close(self) -> None:
         """The modes' engines are all there is to stop (the registry closes them); the weights go with the

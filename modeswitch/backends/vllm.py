@@ -16,13 +16,13 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psutil
 
 from ..config import LoadConfig
+from ..engines.vllm import compat as vllm_compat
 from ..engines.vllm import plugin as vllm_plugin
 from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
@@ -31,8 +31,9 @@ from ..priority import BackgroundStarts
 from ..weights.precision import dtype_name
 from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub
 from ..weights.store import VariantUnavailable
-from .base import MAX_RESTARTS, SUPERVISE_S, BuiltMode, KernelUnavailable, ModelInfo, Progress
+from .base import SUPERVISE_S, BuiltMode, KernelUnavailable, ModelInfo, Progress
 from .checkpoint import Checkpoint
+from .restarts import RestartPolicy, Restarts
 from .starts import StartHistory
 
 #: the vLLM CPU op a GPTQ engine runs its matmuls with
@@ -79,6 +80,7 @@ class VllmBackend:
     name = gate_key = "vllm"
 
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
+        vllm_compat.require()  # an untested vLLM is refused here, with one line, before anything starts
         self.checkpoint = Checkpoint(preset, load)
         #: vLLM's own default, on a CPU too: its engines compile the model (Inductor; CUDA graphs on a GPU)
         #: unless ``--decode eager``. On the 2-core AVX2 demo machine eager engines served 0.87x / 0.72x of
@@ -110,8 +112,8 @@ class VllmBackend:
         self._details: dict[str, list[dict[str, Any]]] = {}
         #: supervision: each engine's mode fronts, its deaths and restarts, the engines being started again
         self._fronts: dict[str, list[VllmEngine]] = {}
-        self._deaths: Counter[str] = Counter()
-        self._restarts: Counter[str] = Counter()
+        self.restart_policy = RestartPolicy.of(load)
+        self.restarts: dict[str, Restarts] = {}
         self._down: set[str] = set()
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -313,6 +315,7 @@ class VllmBackend:
             details["draft"] = draft.get("method") or draft.get("model")
         drafts = spec.speculative.num_tokens if spec.speculative is not None else 0
         engine = VllmEngine(spec.name, runner, spec.prefix_cache, drafts)
+        engine.restarts = self.restarts.setdefault(key, Restarts(self.restart_policy))
         self._fronts.setdefault(key, []).append(engine)
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name="vllm-supervisor", daemon=True)
@@ -378,40 +381,48 @@ class VllmBackend:
                     self._died(key, runner, f"vLLM engine {key} died: {why}")
 
     def _died(self, key: str, runner: VllmRunner, reason: str) -> None:
-        """Answer everything on the dead engine, take its modes out of the pool, and start it again (up to
-        :data:`MAX_RESTARTS` times) in the background."""
-        log.warning("%s; %d restart(s) so far", reason, self._restarts[key])
+        """Answer everything on the dead engine, take its modes out of the pool, and start it again in the
+        background: at once, or after a crash loop's backoff (:mod:`.restarts`)."""
+        record = self.restarts[key]
+        delay = record.died(reason)
+        log.warning("%s; %d death(s), %d restart(s) so far", reason, record.deaths, record.restarts)
         self._down.add(key)
-        self._deaths[key] += 1
         runner.abandon(reason)
-        restarting = self._restarts[key] < MAX_RESTARTS
-        for front in self._fronts[key]:
-            front.died(reason if restarting else f"{reason}; not started again after {MAX_RESTARTS} restarts",
-                       restarting)
-        if restarting:
-            threading.Thread(target=self._restart, args=(key, runner), name=f"vllm-restart-{key}", daemon=True).start()
+        self._report_down(key, reason)
+        threading.Thread(target=self._restart, args=(key, runner, delay), name=f"vllm-restart-{key}",
+                         daemon=True).start()
 
-    def _restart(self, key: str, dead: VllmRunner) -> None:
-        while self._restarts[key] < MAX_RESTARTS:
-            self._restarts[key] += 1
-            if self._closing.wait(2 ** self._restarts[key]):
-                return
+    def _report_down(self, key: str, reason: str) -> None:
+        record = self.restarts[key]
+        for front in self._fronts[key]:
+            front.report_health(record.down_reason(reason), not record.parked)
+
+    def _restart(self, key: str, dead: VllmRunner, delay: float) -> None:
+        """Start engine ``key`` again after ``delay`` seconds; a start that fails counts as a death (so an engine
+        that cannot start any more ends in a crash loop's backoff, and is tried again after it)."""
+        record = self.restarts[key]
+        while not self._closing.wait(delay):
+            if record.parked:
+                record.retrying()
+                self._report_down(key, f"vLLM engine {key}: started again after a crash loop")
             try:
                 runner = VllmRunner(key, dead.engine_args)
-            except Exception as exc:  # counted as a restart; tried again after a longer wait
-                log.warning("vLLM engine %s did not start again: %s", key, exc)
+            except Exception as exc:
+                reason = f"vLLM engine {key} did not start again: {exc}"
+                log.warning("%s", reason)
+                delay = record.died(reason)
+                self._report_down(key, reason)
                 continue
             if self._closing.is_set():  # the server stopped while it started
                 runner.close()
                 return
             self._runners[key] = runner
+            record.started()
             self._down.discard(key)
-            log.info("vLLM engine %s started again (restart %d)", key, self._restarts[key])
+            log.info("vLLM engine %s started again (restart %d)", key, record.restarts)
             for front in self._fronts[key]:
                 front.restarted(runner)
             return
-        for front in self._fronts[key]:
-            front.report_health(f"vLLM engine {key} did not start again after {MAX_RESTARTS} restarts")
 
     def _cpus(self, key: str, keys: list[str]) -> list[int]:
         """The CPUs engine ``key`` computes on, on a CPU with two or more: vLLM would bind each engine's worker to
@@ -446,8 +457,8 @@ class VllmBackend:
         """Per engine: the modes on it, its start time, deaths and restarts, what the plan gives it, and the
         runner's own state (processes, measured memory, steps, KV blocks)."""
         return {key: {"modes": self._modes[key], "startup_s": round(self._start_s[key], 2),
-                      "status": "down" if key in self._down else "up", "deaths": self._deaths[key],
-                      "restarts": self._restarts[key],
+                      "status": ("parked" if self.restarts[key].parked else "down") if key in self._down else "up",
+                      **{k.removeprefix("engine_"): v for k, v in self.restarts[key].stats().items()},
                       "planned_bytes": self._plan.holder_bytes(key) if self._plan else None, **runner.describe()}
                 for key, runner in self._runners.items()}
 

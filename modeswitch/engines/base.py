@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
 
 if TYPE_CHECKING:
+    from ..backends.restarts import Restarts
     from ..energy import EnergyAccountant, StepCost
 
 
@@ -194,6 +195,9 @@ class Engine(ABC):
     #: bound on its batch); the rest of ``in_flight`` waits in the engine's queue. Engines that batch by their
     #: own scheduler also override :meth:`running_now`, their requests in the batch now.
     batch_slots = 1
+    #: its supervisor's record of the engine's deaths, restarts and next start (set by the backend that watches it;
+    #: modes on one vLLM engine share it): :meth:`supervision` reads it for ``/v1/modes`` and ``/metrics``
+    restarts: "Restarts | None" = None
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
@@ -208,6 +212,11 @@ class Engine(ABC):
         it is being started again) and when it is back up (``down`` None). Their backends' supervisors report it
         for vLLM's engines and the transformers engines."""
         self._watchers.append(watcher)
+
+    def supervision(self) -> dict[str, Any]:
+        """Its engine's deaths, restarts, parks and seconds to the next start (empty where nothing supervises it):
+        part of every supervised engine's :meth:`stats`."""
+        return {} if self.restarts is None else self.restarts.stats()
 
     def report_health(self, down: str | None, restarting: bool = False) -> None:
         for watcher in self._watchers:

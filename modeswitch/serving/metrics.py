@@ -37,6 +37,8 @@ ENGINE_COUNTERS = {
     "engine_deaths": ("modeswitch_engine_deaths",
                       "Deaths of the engine the mode runs on (a process or worker thread of it exited, or it wedged)"),
     "engine_restarts": ("modeswitch_engine_restarts", "Times the engine the mode runs on was started again"),
+    "engine_parks": ("modeswitch_engine_crash_loops",
+                     "Crash loops of the engine the mode runs on (each parked it for a backoff)"),
 }
 
 
@@ -74,6 +76,8 @@ class _RegistryCollector:
         quarantined = GaugeMetricFamily("modeswitch_mode_quarantined", "1 while the mode is quarantined", labels=["mode"])
         failures = CounterMetricFamily("modeswitch_mode_failures", "Requests a mode failed", labels=["mode"])
         engine = {k: CounterMetricFamily(name, doc, labels=["mode"]) for k, (name, doc) in ENGINE_COUNTERS.items()}
+        retry = GaugeMetricFamily("modeswitch_engine_next_retry_seconds", "Seconds until the engine the mode runs on "
+                                  "is started again (0: starting now); absent while it is up", labels=["mode"])
         for name, state in self.registry.modes.items():
             in_flight.add_metric([name], state.in_flight)
             up.add_metric([name], 1.0 if state.available else 0.0)
@@ -83,6 +87,8 @@ class _RegistryCollector:
             for key, family in engine.items():
                 if key in stats:
                     family.add_metric([name], stats[key])
+            if "engine_next_retry_s" in stats:
+                retry.add_metric([name], stats["engine_next_retry_s"])
         j_per_token = GaugeMetricFamily("modeswitch_mode_joules_per_token",
                                         "Running J per generated token (what the energy gate reads)",
                                         labels=["mode", "source"])
@@ -98,7 +104,7 @@ class _RegistryCollector:
                                          "Energy split over requests (all modes, warm-up included)", labels=["source"])
         attributed.add_metric([source], totals["attributed_j"])
         free, fraction = memory_headroom()
-        yield from (in_flight, up, quarantined, failures, *engine.values(), j_per_token, idle, attributed)
+        yield from (in_flight, up, quarantined, failures, *engine.values(), retry, j_per_token, idle, attributed)
         yield from self._occupancy()
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)

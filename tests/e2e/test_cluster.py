@@ -125,8 +125,11 @@ def test_a_replica_killed_mid_request_loses_nothing(cluster):
     with ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(_complete, cluster, f"Story number {i}: once upon a time", 48) for i in range(4)]
         time.sleep(1.0)  # all four are in flight, two on each replica (about 2 s each, one at a time)
+        views = requests.get(f"{cluster}/v1/modes", timeout=30).json()["replicas"]
+        on_victim = sum(m["in_flight"] for v in views if v["replica"] == victim for m in v.get("modes", ()))
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         answers = [f.result() for f in in_flight]
+    assert on_victim > 0  # the kill caught requests on the killed replica: they are among the answers below
     answers += [_complete(cluster, f"Request {i}") for i in range(4)]
     assert [a.status_code for a in answers] == [200] * 8, [a.text[:200] for a in answers]
     assert all(a.json()["modeswitch"]["replica"] != victim for a in answers)

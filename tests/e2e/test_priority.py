@@ -93,14 +93,17 @@ class SleeperRunner:
     def idle(self) -> bool:
         return True
 
+    def describe(self) -> dict:
+        return {"pids": self.pids}
+
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
 
 
-def staged_backend(monkeypatch, history):
+def staged_backend(monkeypatch, history, **load):
     """The vLLM backend of a staged start of fp16 and int8 (two engines), with sleepers for
-    engines and ``history`` for the start times it reads."""
+    engines and ``history`` for the start times it reads; ``load``: further ``LoadConfig`` fields."""
     from modeswitch.backends import vllm
     from modeswitch.config import LoadConfig
     from modeswitch.memory import MemoryPlan
@@ -111,7 +114,7 @@ def staged_backend(monkeypatch, history):
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the variables a start sets for its engines stay here
     SleeperRunner.started.clear()
     SleeperRunner.runs.clear()
-    backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", staged=True))
+    backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", staged=True, **load))
     backend._history = history
     backend.open(print)
     specs = [m for m in load_modes() if m.name in ("fp16", "int8")]
@@ -165,7 +168,7 @@ def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(mo
 
 def test_a_wedged_engine_is_killed_and_started_again(monkeypatch, tmp_path):
     """An engine whose step runs past --engine-stall-s counts as dead: its process is killed, its modes leave
-    the pool, and it is started again after the first back-off (the real engine's stall is a step that does not
+    the pool, and it is started again at once (the real engine's stall is a step that does not
     return: benchmarks/chaos.py stops one with SIGSTOP)."""
     history = StartHistory(tmp_path / "starts.json")
     history.record("demo:fp16:compiled", 60)
@@ -179,7 +182,52 @@ def test_a_wedged_engine_is_killed_and_started_again(monkeypatch, tmp_path):
             time.sleep(0.1)
         assert wedged.proc.poll() is not None  # killed
         assert fp16.engine.runner is backend._runners["fp16"] is not wedged
-        assert (backend._deaths["fp16"], backend._restarts["fp16"]) == (1, 1)
-        assert (fp16.engine.counters["engine_deaths"], fp16.engine.counters["engine_restarts"]) == (1, 1)
+        record = backend.restarts["fp16"]
+        assert (record.deaths, record.restarts, record.parks) == (1, 1, 0)
+        assert fp16.engine.supervision() == {"engine_deaths": 1, "engine_restarts": 1, "engine_parks": 0}
+    finally:
+        backend.close()
+
+
+def test_a_dead_engine_comes_back_each_time_and_a_crash_loop_waits_its_backoff(monkeypatch, tmp_path):
+    """The vLLM backend's restarts, on engines whose process is a sleeper killed for real: each death is followed by
+    a start at once; the 3rd death within the window (more than 2) parks the engine, its mode ``unavailable`` with
+    the reason and the next start, and it is started again once the backoff has passed."""
+    history = StartHistory(tmp_path / "starts.json")
+    history.record("demo:fp16:compiled", 60)
+    backend, specs, plan = staged_backend(monkeypatch, history, crash_loop_deaths=2, crash_loop_window_s=600,
+                                          crash_loop_backoff_s=3)
+    try:
+        fp16, _ = [backend.build(spec, plan, print) for spec in specs]
+        health: list[tuple[str | None, bool]] = []
+        fp16.engine.watch(lambda down, restarting: health.append((down, restarting)))
+
+        def kill_and_wait(timeout: float) -> float:
+            dead = fp16.engine.runner
+            dead.proc.kill()
+            killed = time.monotonic()
+            deadline = killed + timeout
+            while fp16.engine.runner is dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert fp16.engine.runner is not dead, backend.describe()["fp16"]
+            return time.monotonic() - killed
+
+        for death in (1, 2):
+            assert kill_and_wait(5) < 2  # found within SUPERVISE_S, started at once
+            assert health[-2][1] and health[-1] == (None, False)
+        assert backend.describe()["fp16"]["status"] == "up"
+        dead = fp16.engine.runner
+        dead.proc.kill()
+        deadline = time.monotonic() + 5
+        while not backend.restarts["fp16"].parked and time.monotonic() < deadline:
+            time.sleep(0.05)
+        card = backend.describe()["fp16"]
+        assert (card["status"], card["deaths"], card["restarts"], card["parks"]) == ("parked", 3, 2, 1)
+        assert 0 < card["next_retry_s"] <= 3
+        down, restarting = health[-1]
+        assert not restarting and "crash loop: 3 deaths in 600 s (more than 2" in down and "in 3 s" in down
+        assert kill_and_wait(10) >= 3 - 0.6  # not before its backoff (the kill above was seen within 0.5 s)
+        assert backend.describe()["fp16"]["status"] == "up" and health[-1] == (None, False)
+        assert fp16.engine.supervision() == {"engine_deaths": 3, "engine_restarts": 3, "engine_parks": 1}
     finally:
         backend.close()

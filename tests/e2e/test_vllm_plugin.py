@@ -1,7 +1,11 @@
 """The plugin ModeSwitch's vLLM engines load (modeswitch.engines.vllm.plugin): every gloo group in a process
 on one gloo device, so an idle engine runs one gloo event-loop thread instead of 13 (real torch.distributed
 groups in real processes, set up as vLLM's CPU worker sets them up: a default group and 12 more); an engine's
-worker in its engine-core process (a real vLLM engine config)."""
+worker in its engine-core process (a real vLLM engine config); nothing at all in a process that is not
+ModeSwitch's (vLLM's own plugin loader, as vLLM's own server runs it); an untested vLLM refused in one line.
+
+The processes here are ModeSwitch engine processes as the server starts them: ``SERVER_ENV`` names a server (this
+test's process)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,11 @@ import socket
 import subprocess
 import sys
 
-from modeswitch.engines.vllm.plugin import ENV
+from modeswitch.engines.vllm import compat
+from modeswitch.engines.vllm.plugin import ENV, SERVER_ENV
+
+#: the environment of a ModeSwitch engine process
+ENGINE_ENV = {**os.environ, SERVER_ENV: str(os.getpid())}
 
 GROUPS = 12
 RANK = """
@@ -37,7 +45,7 @@ def run_ranks(world: int, shared: bool) -> list[tuple[float, int]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != ENV} | ({ENV: "1"} if shared else {})
+    env = {k: v for k, v in ENGINE_ENV.items() if k != ENV} | ({ENV: "1"} if shared else {})
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(world), str(port), str(GROUPS)],
                               env=env, stdout=subprocess.PIPE, text=True) for rank in range(world)]
     outs = [proc.communicate(timeout=120)[0] for proc in procs]
@@ -75,6 +83,44 @@ def test_an_engine_modeswitch_starts_keeps_its_worker_in_its_engine_process():
     process keeps vLLM's single-process executor, and one that does not (vLLM's own server) is left as shipped."""
     cpu = sorted(os.sched_getaffinity(0))[-1]
     out = subprocess.run([sys.executable, "-c", CONFIG, str(cpu)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+                         env={**ENGINE_ENV, "VLLM_TARGET_DEVICE": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["uni", "mp"]
+
+
+LOADER = """
+import json
+from vllm.plugins import load_general_plugins
+from modeswitch.engines.vllm import compat
+load_general_plugins()  # what every vLLM process does, vLLM's own server included
+print(json.dumps(sorted(compat._replaced)))
+"""
+
+
+def test_vllms_own_processes_run_unpatched_and_modeswitchs_are_patched():
+    """vLLM's plugin loader finds ModeSwitch's entry point in every process of the environment: in one that is not
+    a ModeSwitch server or engine (vLLM's own server, started from the same environment) it replaces nothing; in
+    an engine process it replaces every target but the gloo group (only with ``ENV``=1)."""
+
+    def replaced(env):
+        out = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert replaced({k: v for k, v in os.environ.items() if k not in (SERVER_ENV, ENV)}) == []
+    assert replaced({k: v for k, v in ENGINE_ENV.items() if k != ENV}) == sorted(
+        t.where for t in compat.TARGETS.values() if t.params is not None)  # the functions (gloo's group is a class)
+
+
+REFUSED = """
+from modeswitch.engines.vllm import compat, plugin
+compat.installed_vllm = lambda: "0.35.0"
+plugin.register()
+"""
+
+
+def test_an_engine_process_refuses_an_untested_vllm_in_one_line():
+    out = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True, timeout=300, env=ENGINE_ENV)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("modeswitch: vLLM 0.35.0 is untested") and ">=0.32.0,<0.33" in last

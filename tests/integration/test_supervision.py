@@ -1,6 +1,7 @@
 """Supervision of the transformers engines (the demo model, in this process): a worker thread that exits and
 a step that runs past ``--engine-stall-s`` take the mode out of the pool, answer its requests, and a new worker
-(for continuous batching, a new manager) serves again, the same tokens as before."""
+(for continuous batching, a new manager) serves again, the same tokens as before, as often as it falls; a crash
+loop parks the mode until its backoff has passed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from modeswitch.backends.base import SUPERVISE_S
 from modeswitch.config import LoadConfig
 from modeswitch.engines.base import GenRequest, SamplingParams
 from modeswitch.modes import load_modes
+from modeswitch.serving.metrics import Metrics
 from modeswitch.serving.registry import ModeRegistry
 from modeswitch.weights.presets import PRESETS
 
@@ -55,6 +57,17 @@ def registry():
     reg.close()
 
 
+def crash_next_request(engine) -> None:
+    """The engine's worker thread exits, uncaught, at its next request; the worker that replaces it generates as
+    before."""
+
+    def crash(req):
+        del engine._generate
+        raise WorkerCrash()
+
+    engine._generate = crash
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash below is meant
 def test_a_dead_or_wedged_worker_is_answered_and_replaced(registry):
     state = registry.modes["fp16"]
@@ -65,11 +78,7 @@ def test_a_dead_or_wedged_worker_is_answered_and_replaced(registry):
     kind, expected, _ = outcome(send(engine, ids))
     assert kind == "done" and expected, _
 
-    def crash(req):
-        del engine._generate  # the next worker generates as before
-        raise WorkerCrash()
-
-    engine._generate = crash
+    crash_next_request(engine)
     first, queued = send(engine, ids), send(engine, ids)
     assert [outcome(r)[0] for r in (first, queued)] == ["error", "error"]
     wait_for(lambda: state.available)
@@ -89,8 +98,8 @@ def test_a_dead_or_wedged_worker_is_answered_and_replaced(registry):
     assert state.status == "restarting" and "--engine-stall-s 5" in state.reason
     wait_for(lambda: state.available)  # once the wedged thread has left, at its first step
     assert outcome(send(engine, ids))[:2] == ("done", expected)
-    assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (2, 2)
-    assert state.describe("transformers")["stats"]["engine_deaths"] == 2
+    stats = state.describe("transformers")["stats"]
+    assert (stats["engine_deaths"], stats["engine_restarts"], stats["engine_parks"]) == (2, 2, 0)
 
 
 def test_a_continuous_batching_manager_that_stops_or_wedges_is_replaced():
@@ -120,7 +129,7 @@ def test_a_continuous_batching_manager_that_stops_or_wedges_is_replaced():
         assert status == "restarting" and "manager stopped" in down and "a batch step failed" in down
         assert back == ("available", None) and engine.manager is not first and engine.in_flight == 0
         assert outcome(send(engine, ids))[:2] == ("done", expected)
-        assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (1, 1)
+        assert (engine.stats()["engine_deaths"], engine.stats()["engine_restarts"]) == (1, 1)
 
         second, step, release = engine.manager, engine._manager_step, threading.Event()
 
@@ -138,7 +147,51 @@ def test_a_continuous_batching_manager_that_stops_or_wedges_is_replaced():
         wait_for(lambda: state.available)
         assert not second.is_running() and engine.manager is not second
         assert outcome(send(engine, ids))[:2] == ("done", expected)
-        assert (engine.counters["engine_deaths"], engine.counters["engine_restarts"]) == (2, 2)
-        assert state.describe("transformers")["stats"]["engine_restarts"] == 2
+        assert (engine.stats()["engine_deaths"], state.describe("transformers")["stats"]["engine_restarts"]) == (2, 2)
     finally:
         reg.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crashes below are meant
+def test_an_engine_comes_back_each_time_and_a_crash_loop_is_parked_then_retried():
+    """Killed 4 times, the engine comes back 4 times (there is no cap on restarts); the 5th death within the window
+    is a crash loop: the mode is ``unavailable`` with the reason and the next start's time in ``/v1/modes`` and
+    ``/metrics``, and it serves again, the same tokens, once the backoff has passed."""
+    load = LoadConfig(backend="transformers", device="cpu", dtype="float32", max_model_len=512, staged=False,
+                      crash_loop_deaths=4, crash_loop_window_s=600, crash_loop_backoff_s=4)
+    reg = ModeRegistry(PRESETS["demo"], [m for m in load_modes() if m.name == "fp16"], load)
+    reg.load(progress=lambda line: None)
+    metrics = Metrics(reg, "demo")
+    try:
+        state = reg.modes["fp16"]
+        engine = state.engine
+        ids = AutoTokenizer.from_pretrained(reg.backend.weights.ref("fp16"))("The capital of France is").input_ids
+        kind, expected, _ = outcome(send(engine, ids))
+        assert kind == "done" and expected
+        for death in range(1, 5):
+            crash_next_request(engine)
+            assert outcome(send(engine, ids))[0] == "error"
+            wait_for(lambda: state.available)
+            assert outcome(send(engine, ids))[:2] == ("done", expected)
+            stats = engine.stats()
+            assert (stats["engine_deaths"], stats["engine_restarts"], stats["engine_parks"]) == (death, death, 0)
+
+        crash_next_request(engine)
+        parked_at = time.monotonic()
+        assert outcome(send(engine, ids))[0] == "error"
+        card = state.describe("transformers")
+        assert card["status"] == "unavailable" and "crash loop: 5 deaths in 600 s (more than 4" in card["reason"]
+        assert 0 < card["stats"]["engine_next_retry_s"] <= 4 and card["stats"]["engine_parks"] == 1
+        text = metrics.render().decode()
+        assert 'modeswitch_engine_crash_loops_total{mode="fp16"} 1.0' in text
+        assert 'modeswitch_engine_next_retry_seconds{mode="fp16"}' in text
+        time.sleep(2)
+        assert state.status == "unavailable"  # not before the backoff
+        wait_for(lambda: state.available, timeout=10)
+        assert time.monotonic() - parked_at >= 4 - SUPERVISE_S
+        assert outcome(send(engine, ids))[:2] == ("done", expected)
+        stats = engine.stats()
+        assert (stats["engine_deaths"], stats["engine_restarts"]) == (5, 5) and "engine_next_retry_s" not in stats
+    finally:
+        reg.close()
+

@@ -184,8 +184,7 @@ class ContinuousBatchingEngine(Engine):
         )
         self.page_size = page_size
         self.kv_capacity = num_blocks * page_size  # tokens of the pool as configured (transformers rounds to sectors)
-        self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0, "engine_deaths": 0,
-                         "engine_restarts": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "max_concurrent": 0}
         self._active: dict[str, tuple[GenRequest, int]] = {}
         self._active_lock = threading.Lock()
         #: held while a manager starts or the engine closes, so that none starts (and reserves a pool) after
@@ -295,7 +294,7 @@ class ContinuousBatchingEngine(Engine):
         return KvUse(self, min(held, self.kv_capacity), self.kv_capacity)
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counters)
+        return {**self.counters, **self.supervision()}
 
     def fault(self, stall_s: float) -> str | None:
         """Why the engine cannot serve any more, or None: transformers' manager thread ended (an error it

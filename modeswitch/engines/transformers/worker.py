@@ -68,8 +68,7 @@ class SerialEngine(Engine):
         if grammars is None:
             self.capabilities = self.capabilities - {"structured_outputs"}
         self.eos = eos_ids(model)
-        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0,
-                         "engine_deaths": 0, "engine_restarts": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0, "spec_steps": 0, "spec_tokens": 0}
         self._queue: queue.Queue[GenRequest | Callable[[], None] | None] = queue.Queue()
         #: the request being served and when its last step began (what :meth:`fault` reads)
         self._current: GenRequest | None = None
@@ -212,7 +211,7 @@ class SerialEngine(Engine):
         stats: dict[str, Any] = dict(self.counters)
         if self.prefix_store is not None:
             stats.update(self.prefix_store.stats())
-        return {**stats, **spec_tokens_per_step(self.counters)}
+        return {**stats, **spec_tokens_per_step(self.counters), **self.supervision()}
 
     def close(self) -> None:
         worker = self._worker

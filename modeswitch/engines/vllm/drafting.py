@@ -15,13 +15,17 @@ On a CPU, vLLM's C++ stand-in for the rejection sampler's ``expand_kernel`` writ
 so the per-token temperatures and top-p it expands come back as uninitialised memory: a speculating batch with a
 sampled request in it produced garbage for every request in it (a greedy request's answer turned to noise after
 one token). :func:`fix_cpu_expand` replaces it in ModeSwitch's engines.
+
+Every vLLM symbol replaced here is named in :mod:`.compat`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+
+from . import compat
 
 #: the key of a request's ``extra_args`` that bounds the tokens drafted for it a step (0: none)
 DRAFT_TOKENS_KEY = "modeswitch_draft_tokens"
@@ -32,6 +36,18 @@ def draft_limit(sampling_params) -> int | None:
     extra = getattr(sampling_params, "extra_args", None) or {}
     limit = extra.get(DRAFT_TOKENS_KEY)
     return None if limit is None else int(limit)
+
+
+def sampled_rows(sampled: Any) -> list[list[int]]:
+    """The tokens each batch row sampled this step, as lists, whatever vLLM hands over: lists (its n-gram path) or a
+    2-D tensor padded with negative ids (its other paths). Anything else raises: a bound that cannot be applied
+    must fail the step, never let a plain request draft unbounded (and :mod:`.compat` refuses, at start, a vLLM
+    whose signature names another type)."""
+    if isinstance(sampled, torch.Tensor):
+        return [[t for t in row if t >= 0] for row in sampled.tolist()]
+    if isinstance(sampled, (list, tuple)):
+        return [list(row) for row in sampled]
+    raise TypeError(f"cannot bound drafts: vLLM passed sampled tokens as {type(sampled).__name__}")
 
 
 def bounded_drafts(propose: Callable[[list[list[int]]], list[list[int]]], limits: list[int | None],
@@ -51,12 +67,9 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
     """Bound each request's n-gram drafts by ``DRAFT_TOKENS_KEY`` (the engine's model runner), and let a request
     that drafts nothing use ``min_p`` and ``logit_bias`` on a speculating engine whose config
     ``modeswitch_engine`` accepts (the front end's check, the runner's logits processors). Idempotent."""
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
-    from vllm.v1.worker import gpu_model_runner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    check = SamplingParams._validate_spec_decode
+    check = compat.original("validate_spec_decode")
     if getattr(check, "per_request", False):
         return
 
@@ -64,16 +77,16 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
         if draft_limit(self) != 0:
             check(self, speculative_config)
 
-    propose = GPUModelRunner.propose_draft_token_ids
+    propose = compat.original("propose_drafts")
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        if not _drafts_ngrams(self.speculative_config) or not isinstance(sampled_token_ids, list):
+        if not _drafts_ngrams(self.speculative_config):
             return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         limits = [draft_limit(self.requests[rid].sampling_params) for rid in self.input_batch.req_ids]
         return bounded_drafts(lambda rows: propose(self, scheduler_output, rows, *args, **kwargs), limits,
-                              sampled_token_ids)
+                              sampled_rows(sampled_token_ids))
 
-    build = gpu_model_runner.build_logitsprocs
+    build = compat.original("build_logitsprocs")
 
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
         if (not _drafts_ngrams(vllm_config.speculative_config) or not modeswitch_engine(vllm_config)
@@ -82,9 +95,9 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
         return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
 
     validate_spec_decode.per_request = True
-    SamplingParams._validate_spec_decode = validate_spec_decode
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    gpu_model_runner.build_logitsprocs = build_logitsprocs
+    compat.replace("validate_spec_decode", validate_spec_decode)
+    compat.replace("propose_drafts", propose_draft_token_ids)
+    compat.replace("build_logitsprocs", build_logitsprocs)
 
 
 def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from, replace_to,
@@ -99,6 +112,4 @@ def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.T
 def fix_cpu_expand() -> None:
     """Have vLLM's CPU platform register :func:`expand` for the rejection sampler's ``expand_kernel`` (it registers
     its stand-ins when the worker starts, after the plugins load). Idempotent."""
-    from vllm.utils import cpu_triton_utils
-
-    cpu_triton_utils._expand_kernel_impl = expand
+    compat.replace("cpu_expand_kernel", expand)

@@ -41,7 +41,7 @@ from ...device import imitated_cpu, processes_memory
 from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
                     spec_tokens_per_step, stalled)
 from ..grammar import JSON_OBJECT
-from . import drafting, plugin
+from . import compat, drafting, plugin
 from .paged_prefix import PagedPrefixShadow
 from .probe import WORKER_EXTENSION
 
@@ -143,6 +143,11 @@ class _Live:
     def generated(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether the engine drafts for it: its mode drafts, and it is not a scoring request (they draft nothing)."""
+        return self.front.draft_tokens > 0 and self.req.params.prompt_logprobs is None
+
     def computed_ids(self) -> list[int]:
         """Tokens whose KV the engine has computed: the prompt and every output token but the newest."""
         return list(self.req.prompt_ids) + self.output_ids[:-1]
@@ -150,15 +155,32 @@ class _Live:
 
 @dataclass
 class RunnerStats:
+    """What an engine's steps did, read from what each step returned (the requests that advanced in it), not from
+    what was submitted: vLLM's scheduler decides which requests share a step."""
+
     steps: int = 0
+    #: the most requests the engine held at once (submitted and not finished)
     max_running: int = 0
+    #: steps in which two or more requests advanced together (a batch)
+    steps_batched: int = 0
+    #: steps in which a request that drafts advanced with another that samples (temperature > 0): the batches
+    #: the CPU expand kernel's fix is for (``drafting.fix_cpu_expand``)
+    steps_drafting_with_sampled: int = 0
+
+    def record(self, advanced: list["_Live"], held: int) -> None:
+        self.steps += 1
+        self.max_running = max(self.max_running, held)
+        self.steps_batched += len(advanced) >= 2
+        drafting = [live for live in advanced if live.drafts]
+        self.steps_drafting_with_sampled += any(
+            other is not live and other.req.params.temperature > 0 for live in drafting for other in advanced)
 
 
 def engine_pids(llm) -> list[int]:
-    """The engine-core processes of one ``LLMEngine`` and their workers."""
-    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    """The engine-core processes of one ``LLMEngine`` and their workers (a vLLM without them read where
+    :mod:`.compat` reads them raises: death detection and memory readings rely on them)."""
     pids = []
-    for proc in getattr(manager, "processes", []):
+    for proc in compat.engine_processes(llm):
         pids.append(proc.pid)
         try:
             pids += [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
@@ -250,7 +272,8 @@ class VllmRunner:
         """The engine as ``/v1/modes`` shows it: its processes and their memory, steps, KV blocks, the prefix
         shadow."""
         return {"pids": self.pids, **self.memory(), "steps": self.stats.steps,
-                "max_running": self.stats.max_running,
+                "max_running": self.stats.max_running, "steps_batched": self.stats.steps_batched,
+                "steps_drafting_with_sampled": self.stats.steps_drafting_with_sampled,
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
 
@@ -344,8 +367,8 @@ class VllmRunner:
                 self._step_since = None
                 if token is not None:
                     self.energy.end(token)
-            self.stats.steps += 1
-            self.stats.max_running = max(self.stats.max_running, len(self._live))
+            self.stats.record([live for out in outputs if (live := self._live.get(out.request_id)) is not None],
+                              len(self._live))
             for out in outputs:
                 self._route(out)
         self._fail_live(self._stop_reason)
@@ -393,9 +416,7 @@ class VllmRunner:
         self._shutdown()
 
     def _shutdown(self) -> None:
-        shutdown = getattr(self.llm.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        compat.engine_shutdown(self.llm)
 
 
 class VllmEngine(Engine):
@@ -415,22 +436,15 @@ class VllmEngine(Engine):
         #: a drafting request's prompt logprobs are not returned; vLLM refuses min_p and logit_bias on requests
         #: that draft (``SamplingParams._validate_spec_decode``)
         self.capabilities = OPTIONS - {"prompt_logprobs", "min_p", "logit_bias"} if self.speculative else OPTIONS
-        #: deaths and restarts of the engine it runs on (``modeswitch.backends.vllm`` supervises it)
-        self.counters = {"requests": 0, "generated_tokens": 0, "engine_deaths": 0, "engine_restarts": 0}
+        self.counters = {"requests": 0, "generated_tokens": 0}
         if prefix_cache:
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
         if self.speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
 
-    def died(self, reason: str, restarting: bool) -> None:
-        """Its engine died (the runner has answered every request it held)."""
-        self.counters["engine_deaths"] += 1
-        self.report_health(reason, restarting)
-
     def restarted(self, runner: VllmRunner) -> None:
         """Its engine was started again: serve from ``runner`` from now on."""
         self.serve_from(runner)
-        self.counters["engine_restarts"] += 1
         self.report_health(None)
 
     def serve_from(self, runner: VllmRunner) -> None:
@@ -507,7 +521,8 @@ class VllmEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "vllm_engine": self.runner.name, "engine_steps": self.runner.stats.steps,
-                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters)}
+                "engine_max_running": self.runner.stats.max_running, **spec_tokens_per_step(self.counters),
+                **self.supervision()}
 
     def close(self) -> None:
         """Nothing of its own to stop: the runner is shared by every mode on it, and whoever started the

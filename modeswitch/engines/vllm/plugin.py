@@ -18,16 +18,22 @@ device, so one device serves every group, with one loop thread. torch's ``new_gr
 the only place to pass the device is the ``ProcessGroupGloo`` that ``torch.distributed`` constructs.
 
 Only in engines ModeSwitch starts (``VllmBackend`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
-group): vLLM's own server, started from the same environment for the comparisons, stays as shipped.
+group).
 
 And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine.
+
+The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
+neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
+environment for the comparisons, runs as shipped. Every symbol it replaces is read and replaced through
+:mod:`.compat`, which it asks first whether the installed vLLM is one they were checked on.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
-from . import drafting
+from . import compat, drafting
 
 #: Set to "1" in the environment of the engines that share one gloo device.
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
@@ -42,7 +48,13 @@ PARENT_POLL_S = 1.0
 
 
 def register() -> None:
-    """The entry point vLLM calls, possibly more than once a process."""
+    """The entry point vLLM calls, possibly more than once a process. Nothing in a process that is not a
+    ModeSwitch server or engine. Elsewhere an untested vLLM, or a target that changed, ends the process with one
+    line: vLLM logs an exception from a plugin and goes on, which would leave an engine running unpatched (plain
+    modes drafting unbounded, workers on the wrong CPUs)."""
+    if not modeswitch_process():
+        return
+    _require_compatible()
     if os.environ.get(ENV) == "1":
         share_gloo_device()
     keep_worker_in_engine_process()
@@ -57,6 +69,19 @@ def register() -> None:
     logs.quiet_libraries()
     if in_engine_process():
         keep_heap_trimmed()  # what loading the weights and compiling the graphs freed goes back to the system
+
+
+def modeswitch_process() -> bool:
+    """A ModeSwitch server, or a process of one of its vLLM engines (they inherit ``SERVER_ENV``)."""
+    return bool(os.environ.get(SERVER_ENV))
+
+
+@functools.cache
+def _require_compatible() -> None:
+    try:
+        compat.require()
+    except compat.VllmIncompatible as exc:
+        raise SystemExit(f"modeswitch: {exc}") from None
 
 
 def in_engine_process() -> bool:
@@ -110,9 +135,7 @@ def _one_process(vllm_config) -> bool:
 def keep_worker_in_engine_process() -> None:
     """Undo the CPU platform's switch from the single-process executor to worker processes, for engines whose
     config asks for one process (vLLM's own server is left as shipped). Idempotent."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    check = CpuPlatform.check_and_update_config
+    check = compat.original("cpu_platform_config")
     if getattr(check, "keeps_one_process", False):
         return
     original = check.__func__
@@ -124,7 +147,7 @@ def keep_worker_in_engine_process() -> None:
             parallel.distributed_executor_backend = "uni"
 
     check_and_update_config.keeps_one_process = True
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    compat.replace("cpu_platform_config", classmethod(check_and_update_config))
 
 
 def bind_worker_threads() -> None:
@@ -132,9 +155,7 @@ def bind_worker_threads() -> None:
     thread; OpenMP's threads inherit it) to the engine's CPUs and use one torch thread per CPU, as vLLM's worker
     processes are set up from the environment. Before vLLM's worker setup, which then forbids
     ``torch.set_num_threads``. Idempotent."""
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    init = CPUWorker.init_device
+    init = compat.original("cpu_worker_init")
     if getattr(init, "binds_threads", False):
         return
 
@@ -148,16 +169,14 @@ def bind_worker_threads() -> None:
         init(self)
 
     init_device.binds_threads = True
-    CPUWorker.init_device = init_device
+    compat.replace("cpu_worker_init", init_device)
 
 
 def share_gloo_device() -> None:
     """Make every gloo group ``torch.distributed`` creates from now on in this process use the same device(s):
     the ones torch would create for a group (the default device, or one per interface in GLOO_SOCKET_IFNAME,
     lazy or not as TORCH_GLOO_LAZY_INIT says), created once. Idempotent."""
-    from torch.distributed import distributed_c10d as c10d
-
-    base = c10d.ProcessGroupGloo
+    base = compat.original("gloo_group")
     if getattr(base, "shares_devices", False):
         return
     devices: list = []
@@ -179,4 +198,4 @@ def share_gloo_device() -> None:
                 options._timeout = timeout
             super().__init__(store, rank, size, options)
 
-    c10d.ProcessGroupGloo = OneDeviceGloo
+    compat.replace("gloo_group", OneDeviceGloo)
