@@ -13,6 +13,7 @@ import pytest
 import torch
 from openai import BadRequestError, OpenAI
 from pydantic import BaseModel
+from transformers.generation.logits_process import LogitsProcessorList
 
 from modeswitch.api import tools
 from modeswitch.api.errors import ApiError
@@ -119,6 +120,63 @@ def test_penalties_apply_as_vllm_applies_them():
     assert rep.processors(ids, torch.full((1, 6), 2.0))[0].tolist() == [2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
 
 
+def vllm_processed(logits: torch.Tensor, prompt: list[int], output: list[int], **options) -> torch.Tensor:
+    """One row of logits through vLLM's own v1 sampler code (``vllm/v1/sample/sampler.py``) as its engine runs
+    it: the logits processors and penalties, then for a sampled request temperature, ``min_p`` and top-k/top-p
+    (the logits it would sample from: its ``processed_logits`` mode)."""
+    import types
+
+    from vllm import SamplingParams as VllmParams
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    params = VllmParams(max_tokens=4, **options)
+    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=1))
+    procs = [LogitBiasLogitsProcessor(None, torch.device("cpu"), False),
+             MinPLogitsProcessor(config, torch.device("cpu"), False)]
+    for proc in procs:
+        proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, prompt, output)], moved=[]))
+    greedy = params.temperature < 1e-5
+    meta = SamplingMetadata(
+        temperature=None if greedy else torch.tensor([params.temperature]), all_greedy=greedy, all_random=not greedy,
+        top_p=torch.tensor([params.top_p]), top_k=torch.tensor([params.top_k if params.top_k > 0 else logits.numel()]),
+        generators={}, max_num_logprobs=None, no_penalties=False, prompt_token_ids=torch.tensor([prompt]),
+        frequency_penalties=torch.tensor([params.frequency_penalty]),
+        presence_penalties=torch.tensor([params.presence_penalty]),
+        repetition_penalties=torch.tensor([params.repetition_penalty]), output_token_ids=[output],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(procs))
+    sampler = Sampler(logprobs_mode="processed_logits")
+    out = sampler.apply_logits_processors(logits[None].clone(), meta, False)
+    return out[0] if greedy else sampler.sample(out, meta)[1][0]
+
+
+def test_options_apply_in_vllms_order():
+    """A biased token that was already generated is penalised after its bias, as vLLM's sampler does it:
+    (1.0 + 3.0) / 2 = 2.0 (penalised first it would be 1.0 / 2 + 3.0 = 3.5); a sampled request's min_p, top-k and
+    top-p leave what vLLM's leave. Each is checked against vLLM's own sampler code on the same logits."""
+    pytest.importorskip("vllm")
+    prompt, output = [4, 5], [1, 1, 2]
+    ids = torch.tensor([prompt + output])
+    logits = torch.tensor([0.5, 1.0, 2.0, -0.5, 1.0, 0.0, -1.0, 3.0])
+    greedy = dict(logit_bias={1: 3.0, 6: 2.0}, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    ours = Decoding(SamplingParams(max_tokens=4, **{**greedy, "logit_bias": tuple(greedy["logit_bias"].items())}),
+                    len(prompt), {0}, None).processors(ids, logits[None].clone())[0]
+    assert ours[1] == (1.0 + 3.0) / 2 - 2 * 0.5 - 0.25
+    assert torch.allclose(ours, vllm_processed(logits, prompt, output, **greedy))
+    torch.manual_seed(0)
+    wide = torch.randn(64) * 3
+    sampled = dict(temperature=2.0, min_p=0.05, top_k=20, top_p=0.8, repetition_penalty=1.3)
+    pick = Decoding(SamplingParams(max_tokens=4, **sampled), len(prompt), {0}, None).processors
+    assert type(pick[-1]).__name__ == "_Pick"  # what it samples from is what comes before it
+    before_pick = LogitsProcessorList(pick[:-1])(ids, wide[None].clone())[0]
+    theirs = vllm_processed(wide, prompt, output, **sampled)
+    assert torch.equal(before_pick.isfinite(), theirs.isfinite())
+    assert torch.allclose(before_pick[theirs.isfinite()], theirs[theirs.isfinite()])
+
+
 def test_seeded_sampling_draws_from_the_requests_own_generator():
     logits = torch.zeros(50)
     draws = [[Decoding(SamplingParams(max_tokens=1, temperature=1.0, seed=s), 0, set(), None).choose([1], logits)
@@ -157,6 +215,16 @@ class Cat(BaseModel):
     age: int
 
 
+def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]], k: int) -> None:
+    """OpenAI's ``top_logprobs`` at one position: the ``k`` most likely tokens, most likely first, each <= 0; the
+    chosen token's logprob is its entry's when it is among them, and no higher than the last one's when it is not.
+    This holds whichever token sampling chose (vLLM's own server lists the chosen token first instead)."""
+    values = [v for _, v in top]
+    assert len(top) == k and values == sorted(values, reverse=True) and all(v <= 0 for v in values), top
+    # two token ids may decode to the same text: a chosen token that is not listed ranks below the k listed
+    assert logprob in [v for t, v in top if t == token] or logprob <= values[-1], (token, logprob, top)
+
+
 def honoured_everywhere(client: OpenAI) -> None:
     """What both engines must do, asked through the official client."""
     # seed: the same seed gives the same text; another seed (almost surely) another
@@ -185,14 +253,21 @@ def honoured_everywhere(client: OpenAI) -> None:
     long = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say hi."}],
                                           max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 24
-    # n and logprobs
+    # n and logprobs: sampled (the chosen token is often not the likeliest) and greedy (it is)
     two = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=1.0, seed=1, n=2,
-                                         logprobs=True, top_logprobs=2)
+                                         logprobs=True, top_logprobs=3)
     assert [c.index for c in two.choices] == [0, 1] and two.choices[0].message.content != two.choices[1].message.content
     for choice in two.choices:
-        assert len(choice.logprobs.content) == 6 and all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
-        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
-                   for e in choice.logprobs.content)
+        assert len(choice.logprobs.content) == 6
+        for e in choice.logprobs.content:
+            assert_most_likely(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs], 3)
+    greedy_lp = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=0,
+                                               logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert all(e.logprob == e.top_logprobs[0].logprob and e.token == e.top_logprobs[0].token for e in greedy_lp)
+    legacy = client.completions.create(model="demo", prompt="My favourite animal is", max_tokens=6, temperature=1.0,
+                                       seed=3, logprobs=4).choices[0].logprobs
+    for token, logprob, top in zip(legacy.tokens, legacy.token_logprobs, legacy.top_logprobs):
+        assert_most_likely(token, logprob, list(top.items()), 4)
     # structured outputs: the client's pydantic helper, json_object, a regex and a choice
     parsed = client.chat.completions.parse(model="demo", response_format=Cat, max_tokens=64, temperature=0,
                                            messages=[{"role": "user", "content": "Describe a cat as JSON."}])
