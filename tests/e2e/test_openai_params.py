@@ -277,8 +277,14 @@ def honoured_everywhere(client: OpenAI) -> None:
         response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     digits = client.completions.create(model="demo", prompt="A phone number:", max_tokens=20, temperature=0,
-                                       extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+                                       logprobs=3, extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
     assert len(digits.choices[0].text) == 8 and digits.choices[0].text[3] == "-"
+    # logprobs under the grammar's mask, as vLLM reads them: after three digits "-" is the one token allowed (the
+    # demo's tokenizer has no "-" + digit token), and the forbidden ones are written as vLLM's server writes -inf
+    dash = digits.choices[0].logprobs
+    assert dash.tokens[3] == "-" and abs(dash.token_logprobs[3]) < 1e-6
+    allowed, *forbidden = dash.top_logprobs[3].values()
+    assert abs(allowed) < 1e-6 and forbidden and set(forbidden) == {-9999.0}
     yes_no = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Is the sky green?"}],
                                             max_tokens=4, temperature=0,
                                             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
