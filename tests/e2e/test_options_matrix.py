@@ -192,15 +192,17 @@ def documented_rows(backend: str) -> dict[str, str]:
 
 
 def stale_rows(backend: str, cards: list[dict]) -> list[str]:
-    """The modes available here whose row on the page is not their card's (a mode unavailable here, e.g. GPTQ on
-    vLLM without AVX-512, keeps the row written where it ran). ``MODESWITCH_WRITE_MATRIX=1`` rewrites the section
-    first."""
+    """The modes available here whose row on the page is not their card's. The page is written on one machine:
+    a mode unavailable there (its row all "–", e.g. vLLM's GPTQ modes without AVX-512) is not compared where it
+    is available, nor one unavailable here. ``MODESWITCH_WRITE_MATRIX=1`` rewrites the section first."""
     if os.environ.get("MODESWITCH_WRITE_MATRIX") == "1":
         text = PAGE.read_text(encoding="utf-8")
         PAGE.write_text(section(backend).sub(lambda m: m.group(1) + table(cards) + "\n" + m.group(3), text),
                         encoding="utf-8")
     documented = documented_rows(backend)
-    return [c["name"] for c in cards if c["status"] == "available" and documented.get(c["name"]) != row(c)]
+    unavailable_there = {name for name, line in documented.items() if "yes" not in line and "400" not in line}
+    return [c["name"] for c in cards if c["status"] == "available" and c["name"] not in unavailable_there
+            and documented.get(c["name"]) != row(c)]
 
 
 def check_matrix(url: str, backend: str) -> None:
