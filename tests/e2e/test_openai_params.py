@@ -178,6 +178,23 @@ def test_options_apply_in_vllms_order():
     assert torch.allclose(before_pick[theirs.isfinite()], theirs[theirs.isfinite()])
 
 
+def test_a_step_that_drafted_nothing_is_not_constrained():
+    """vLLM's rejection sampler constrains its drafted positions by top-k even when there are none: its CPU top-k
+    path then fails (it killed a speculating engine's core, for a request with top_k alone); ModeSwitch's engines
+    return an empty batch of drafted positions as it is."""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from modeswitch.engines.vllm import drafting
+
+    nothing_drafted = torch.empty(0, 8)
+    with pytest.raises(RuntimeError, match="numel"):  # what the rejection sampler calls, with k over no position
+        apply_top_k_top_p(nothing_drafted.clone(), torch.empty(0, dtype=torch.long), None)
+    drafting.fix_empty_drafts()
+    assert rejection_sampler.apply_sampling_constraints(nothing_drafted, torch.tensor([0]), None) is nothing_drafted
+
+
 def test_seeded_sampling_draws_from_the_requests_own_generator():
     logits = torch.zeros(50)
     draws = [[Decoding(SamplingParams(max_tokens=1, temperature=1.0, seed=s), 0, set(), None).choose([1], logits)
