@@ -9,7 +9,7 @@ from ..engines.base import TokenLogprobs
 from . import tools
 from .context import ctx
 from .errors import ApiError
-from .generation import admitted, decoding, limit_tokens, respond, start_all, validated
+from .generation import admitted, decoding, json_logprob, limit_tokens, respond, start_all, validated
 from .schemas import ChatBody
 
 bp = Blueprint("chat", __name__)
@@ -94,7 +94,7 @@ def chat_logprobs(lps: list[TokenLogprobs]) -> dict:
 
     def entry(token: int, logprob: float) -> dict:
         text = decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode())}
 
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
                         for lp in lps]}

@@ -7,7 +7,7 @@ from flask import Blueprint
 from ..engines.base import TokenLogprobs
 from .context import ctx
 from .errors import ApiError
-from .generation import admitted, decoding, limit_tokens, respond, start_all, validated
+from .generation import admitted, decoding, json_logprob, limit_tokens, respond, start_all, validated
 from .schemas import CompletionBody
 
 bp = Blueprint("completions", __name__)
@@ -86,5 +86,6 @@ def openai_logprobs(lp: dict, offset: int = 0) -> dict:
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    top = [None if d is None else {decode([t]): v for t, v in d.items()} for d in lp["top_logprobs"]]
-    return {"tokens": tokens, "token_logprobs": lp["token_logprobs"], "top_logprobs": top, "text_offset": offsets}
+    top = [None if d is None else {decode([t]): json_logprob(v) for t, v in d.items()} for d in lp["top_logprobs"]]
+    return {"tokens": tokens, "token_logprobs": [json_logprob(v) for v in lp["token_logprobs"]], "top_logprobs": top,
+            "text_offset": offsets}

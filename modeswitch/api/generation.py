@@ -142,6 +142,25 @@ def total_usage(gens: list[Generation], n: int) -> dict:
             "energy_j": round(sum(g.energy_j for g in gens), 6), "energy_source": ctx().service.registry.energy.source}
 
 
+#: what a logprob of -inf (a token the grammar forbids) is written as: JSON has no infinity; vLLM's server writes this
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float | None) -> float | None:
+    """A logprob as the OpenAI shapes carry it (None stays None: a prompt's first token has no logprob)."""
+    return None if value is None else max(value, LOGPROB_FLOOR)
+
+
+def choice_usage(gens: list[Generation], i: int | None, n: int) -> dict:
+    """vLLM's continuous usage stats: the tokens of choice ``i`` so far; ``i`` None (a chunk of every choice,
+    before any is generated): each prompt once (``n`` consecutive choices share one), nothing generated."""
+    if i is None:
+        prompt, completion = sum(len(g.prompt_ids) for g in gens[::n]), 0
+    else:
+        prompt, completion = len(gens[i].prompt_ids), gens[i].completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 class Shape(Protocol):
     """How one route writes a choice: whole (JSON), or as stream deltas. ``lps``: the token logprobs of the
     text in hand (empty unless the request asked for them)."""
@@ -195,9 +214,10 @@ def _headers(gens: list[Generation]) -> dict[str, str]:
     return headers
 
 
-def _report(gen: Generation) -> dict:
-    """The ``modeswitch`` block: the generation's mode, reason and timings, and in a cluster the replica."""
-    report = gen.report()
+def _report(gen: Generation, req) -> dict:
+    """The ``modeswitch`` block: the generation's mode, reason and timings, the request's options it honoured and
+    those without effect, and in a cluster the replica."""
+    report = {**gen.report(), **req.option_effects()}
     replica = ctx().http.replica
     if replica:
         report["replica"] = replica
@@ -213,10 +233,10 @@ def _json(gens: list[Generation], req, kind: str, shape: Shape) -> Response:
         entry = shape.choice(i, gen, gen.text, gen.take_logprobs())
         entry.setdefault("finish_reason", gen.finish_reason)
         if len(gens) > 1:
-            entry["modeswitch"] = _report(gen)
+            entry["modeswitch"] = _report(gen, req)
         choices.append(entry)
     resp = jsonify({"id": response_id(kind), "object": kind, "created": int(time.time()), "model": service.model_name,
-                    "choices": choices, "usage": total_usage(gens, req.n), "modeswitch": _report(gens[0])})
+                    "choices": choices, "usage": total_usage(gens, req.n), "modeswitch": _report(gens[0], req)})
     resp.headers.update(_headers(gens))
     return resp
 
@@ -265,10 +285,12 @@ def _sse(gens: list[Generation], req, kind: str, shape: Shape) -> Iterator[str]:
 
     def chunk(choices: list[dict], **extra) -> str:
         payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+        if req.continuous_usage and choices:
+            payload["usage"] = choice_usage(gens, choices[0]["index"] if len(choices) == 1 else None, req.n)
         return f"data: {json.dumps(payload)}\n\n"
 
     try:
-        first = _report(gens[0])
+        first = _report(gens[0], req)
         del first["timings"]
         yield chunk([{"index": i, **shape.head(i), "finish_reason": None} for i in range(len(gens))], modeswitch=first)
         try:
@@ -282,7 +304,7 @@ def _sse(gens: list[Generation], req, kind: str, shape: Shape) -> Iterator[str]:
                     continue
                 last = shape.tail(i, gens[i])
                 last.setdefault("finish_reason", gens[i].finish_reason)
-                yield chunk([{"index": i, **last}], modeswitch=_report(gens[i]))
+                yield chunk([{"index": i, **last}], modeswitch=_report(gens[i], req))
         except GenerationError as exc:
             yield f"data: {json.dumps(ApiError(500, str(exc), code='mode_failed').body())}\n\n"
             yield "data: [DONE]\n\n"

@@ -48,6 +48,9 @@ class ModeSwitchInfo(_Open):
 
     mode: str
     reason: str
+    honoured: list[str] = Field(description="the options the request set (by its field names) that were applied")
+    no_effect: list[str] = Field(description="the options the request set that change nothing: OpenAI's "
+                                             "bookkeeping fields, and sampling settings of a greedy request")
 
 
 class CompletionLogprobs(_Open):

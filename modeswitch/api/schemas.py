@@ -37,6 +37,14 @@ REFUSED = {
 }
 
 
+#: OpenAI's fields that change nothing in the output: accepted, and without effect here
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+#: fields that shape sampling only: a greedy request (temperature 0) decodes the same whatever they are
+SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
+#: what a request asks about rather than how: not options
+_SUBJECT = frozenset({"model", "prompt", "messages"})
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -66,6 +74,15 @@ class StructuredOutputs(_Strict):
         if self.grammar is not None:
             return Constraint("grammar", self.grammar)
         return Constraint("json_object")
+
+
+class StreamOptions(_Strict):
+    """What a stream reports besides its text (vLLM's ``StreamOptions``); only with ``stream: true``."""
+
+    include_usage: bool | None = Field(default=None, description="a last chunk (no choices) with the response's usage")
+    continuous_usage_stats: bool | None = Field(
+        default=None, description="with include_usage: every chunk also carries the usage of its choice so far (a "
+                                  "chunk of several choices: their prompts, nothing generated yet)")
 
 
 class JsonSchema(_Strict):
@@ -113,7 +130,7 @@ class _Body(_Strict):
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -143,6 +160,13 @@ class _Body(_Strict):
             raise ValueError("set response_format or structured_outputs, not both")
         return self
 
+    @model_validator(mode="after")
+    def _streamed(self):
+        """As vLLM: stream options that set anything need a stream (otherwise they would be dropped silently)."""
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ValueError("stream_options: only with stream: true")
+        return self
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -151,7 +175,22 @@ class _Body(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        """A stream ends with a usage chunk."""
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries usage: ``continuous_usage_stats``, which, as in vLLM, acts only with ``include_usage``."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def option_effects(self) -> dict[str, list[str]]:
+        """The options this request set, by its own field names: ``honoured`` (each one the serving mode applied:
+        the capability gate sends a request only to a mode that honours every option it needs, and the API layer
+        honours the rest) and ``no_effect`` (accepted, changing nothing: :data:`NO_EFFECT`, and
+        :data:`SAMPLING_ONLY` fields of a greedy request). A client can check a response's fidelity from them."""
+        given = self.model_fields_set - _SUBJECT
+        idle = (given & NO_EFFECT) | (given & SAMPLING_ONLY if self.temperature == 0.0 else set())
+        return {"honoured": sorted(given - idle), "no_effect": sorted(idle)}
 
     def constraint(self) -> Constraint | None:
         """The grammar the output must follow, from ``response_format`` or ``structured_outputs``."""
@@ -310,7 +349,8 @@ def parse(model: type[BaseModel], data) -> BaseModel:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field: this server refuses fields it does not honour (see /openapi.json)"
-        elif not param and ": " in msg and msg.split(": ", 1)[0] in REFUSED:  # a refused field names itself
+        elif not param and ": " in msg and msg.split(": ", 1)[0] in {*REFUSED, *model.model_fields}:
+            # a refused field, or a field a whole-body check refuses, names itself
             param, msg = msg.split(": ", 1)
         raise ApiError(400, f"{param or 'body'}: {msg}", param=param or None) from None
 

@@ -110,8 +110,9 @@ class Event:
 
 
 class TokenLogprobs(NamedTuple):
-    """A generated token, its logprob and the most likely tokens at its position (id -> logprob), from the model's
-    distribution before any penalty, bias, temperature or constraint (vLLM's default, ``raw_logprobs``)."""
+    """A generated token, its logprob and the ``k`` most likely tokens at its position (id -> logprob, most likely
+    first: OpenAI's ``top_logprobs``), from the model's distribution under the grammar's mask, before any penalty,
+    bias or temperature (vLLM's default, ``raw_logprobs``)."""
 
     token: int
     logprob: float

@@ -1,11 +1,18 @@
 """A request's decoding options as transformers logits processors, for every transformers decode path.
 
-``generate()`` runs with ``do_sample=False`` and the list built here: penalties, logit bias, ``min_tokens`` and the
-grammar (transformers' and xgrammar's own processors), then for a sampled request transformers' temperature /
-top-k / top-p / min-p warpers and :class:`_Pick`, which samples one token with the request's own generator and
-leaves only that token possible, so ``generate()``'s greedy choice takes it. Sampling that way is what makes
-``seed`` work: ``generate()`` samples from torch's global generator, which every engine thread shares. The owned
-static-cache loop applies the same list to its logits (:meth:`Decoding.choose`).
+The list applies the options in the order vLLM's v1 sampler (``vllm/v1/sample/sampler.py``) applies them, so a
+request means the same on both engines: the grammar's mask (vLLM's model runner applies it before the sampler),
+then the logprobs are read (vLLM's ``raw_logprobs``), then ``min_tokens`` and ``logit_bias`` (its logits processors
+that can change the greedy choice), then the repetition, frequency and presence penalties; a greedy request takes
+the argmax there. A sampled one goes on through temperature, ``min_p`` (its argmax-invariant processor), top-k and
+top-p, and :class:`_Pick`. The order matters where two options touch one token: a biased token that was already
+generated is penalised after its bias (``(logit + bias) / penalty`` when positive), and top-p counts only the
+probability ``min_p`` left.
+
+``generate()`` runs with ``do_sample=False`` and this list: :class:`_Pick` samples one token with the request's
+own generator and leaves only that token possible, so ``generate()``'s greedy choice takes it. Sampling that way is
+what makes ``seed`` work: ``generate()`` samples from torch's global generator, which every engine thread shares.
+The owned static-cache loop applies the same list to its logits (:meth:`Decoding.choose`).
 
 OpenAI's presence and frequency penalties have no transformers processor; :class:`_Penalties` applies them as
 vLLM does (over the generated tokens, subtracted from the logits).
@@ -38,8 +45,8 @@ class _Penalties(LogitsProcessor):
 
 
 class _Record(LogitsProcessor):
-    """First in the list: keeps each step's log-softmax of the model's own logits, so the chosen token's logprob
-    and the top alternatives can be read once it is known (:meth:`Decoding.logprobs`)."""
+    """Right after the grammar's mask: keeps each step's log-softmax of the model's logits, so the chosen token's
+    logprob and the top alternatives can be read once it is known (:meth:`Decoding.logprobs`)."""
 
     def __init__(self) -> None:
         self.steps: list[torch.Tensor] = []
@@ -86,27 +93,29 @@ class Decoding:
         #: the request's own random generator (None when greedy); speculative acceptance draws from it too
         self.generator = None if p.greedy else generator(p.seed)
         self._record = _Record() if p.logprobs is not None else None
-        procs: list[LogitsProcessor] = [self._record] if self._record is not None else []
-        if p.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-        if p.presence_penalty or p.frequency_penalty:
-            procs.append(_Penalties(prompt_len, p.presence_penalty, p.frequency_penalty))
-        if p.logit_bias:
-            procs.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias]))
-        if p.min_tokens:
-            procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, sorted(stop_ids(p, eos)) or [-1]))
+        procs: list[LogitsProcessor] = []
         if p.constraint is not None:
             if grammars is None:
                 raise ValueError("this engine was started without a grammar compiler")
             procs.append(grammars.processor(p.constraint))
+        if self._record is not None:
+            procs.append(self._record)
+        if p.min_tokens:
+            procs.append(MinNewTokensLengthLogitsProcessor(prompt_len, p.min_tokens, sorted(stop_ids(p, eos)) or [-1]))
+        if p.logit_bias:
+            procs.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in p.logit_bias]))
+        if p.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+        if p.presence_penalty or p.frequency_penalty:
+            procs.append(_Penalties(prompt_len, p.presence_penalty, p.frequency_penalty))
         if not p.greedy:
             procs.append(TemperatureLogitsWarper(p.temperature))
+            if p.min_p > 0.0:
+                procs.append(MinPLogitsWarper(p.min_p))
             if p.top_k > 0:
                 procs.append(TopKLogitsWarper(p.top_k))
             if p.top_p < 1.0:
                 procs.append(TopPLogitsWarper(p.top_p))
-            if p.min_p > 0.0:
-                procs.append(MinPLogitsWarper(p.min_p))
             procs.append(_Pick(self.generator))
         self.processors = LogitsProcessorList(procs)
         self._read = 0

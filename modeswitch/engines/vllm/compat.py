@@ -94,7 +94,7 @@ class Target:
         return None
 
 
-#: every symbol replaced (first six) or read privately, by the name the code uses for it
+#: every symbol replaced (first seven) or read privately, by the name the code uses for it
 TARGETS: dict[str, Target] = {
     # plugin.keep_worker_in_engine_process: the CPU platform's switch to a worker process, undone per engine
     "cpu_platform_config": Target("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
@@ -113,6 +113,9 @@ TARGETS: dict[str, Target] = {
     # drafting.fix_cpu_expand: the rejection sampler's expand kernel on a CPU
     "cpu_expand_kernel": Target("vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
                                 ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to")),
+    # drafting.fix_empty_drafts: the rejection sampler's constraints on drafted positions, skipped when none are
+    "sampling_constraints": Target("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints",
+                                   ("logits", "cu_num_draft_tokens", "sampling_metadata")),
     # plugin.share_gloo_device: torch's gloo group, built with private options naming its devices
     "gloo_group": Target("torch.distributed.distributed_c10d", "ProcessGroupGloo", None,
                          ("_Options", "create_device", "create_default_device"), library="torch"),

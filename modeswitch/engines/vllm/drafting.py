@@ -14,7 +14,10 @@ vLLM would; vLLM's own server, which never sets it, drafts as shipped.
 On a CPU, vLLM's C++ stand-in for the rejection sampler's ``expand_kernel`` writes an int64 copy of its output,
 so the per-token temperatures and top-p it expands come back as uninitialised memory: a speculating batch with a
 sampled request in it produced garbage for every request in it (a greedy request's answer turned to noise after
-one token). :func:`fix_cpu_expand` replaces it in ModeSwitch's engines.
+one token). :func:`fix_cpu_expand` replaces it in ModeSwitch's engines. And the rejection sampler constrains its
+drafted positions' logits by top-k even in a step where no request drafted: on a CPU, top-k alone then takes the
+``max()`` of an empty tensor and the engine core dies (a sampled request with ``top_k`` and no ``top_p`` killed a
+speculating engine); :func:`fix_empty_drafts` leaves an empty batch of drafted positions alone.
 
 Every vLLM symbol replaced here is named in :mod:`.compat`.
 """
@@ -113,3 +116,17 @@ def fix_cpu_expand() -> None:
     """Have vLLM's CPU platform register :func:`expand` for the rejection sampler's ``expand_kernel`` (it registers
     its stand-ins when the worker starts, after the plugins load). Idempotent."""
     compat.replace("cpu_expand_kernel", expand)
+
+
+def fix_empty_drafts() -> None:
+    """Have vLLM's rejection sampler return an empty batch of drafted positions' logits as it is, instead of
+    constraining it (nothing to constrain; vLLM's CPU top-k path fails on it). Idempotent."""
+    constrain = compat.original("sampling_constraints")
+    if getattr(constrain, "skips_empty", False):
+        return
+
+    def apply_sampling_constraints(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else constrain(logits, *args, **kwargs)
+
+    apply_sampling_constraints.skips_empty = True
+    compat.replace("sampling_constraints", apply_sampling_constraints)

@@ -116,16 +116,24 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     return args
 
 
+def most_likely(position: dict, k: int) -> dict[int, float]:
+    """The ``k`` most likely tokens of one position's vLLM logprobs (token id -> ``Logprob``), most likely first:
+    OpenAI's ``top_logprobs``. vLLM lists the sampled (or prompt) token first, then its top ``k``, and keeps that
+    token when it ranks below ``k``: here it is kept only by rank, and the list is sorted."""
+    ranked = sorted(((t, lp.logprob) for t, lp in position.items() if lp.rank <= k), key=lambda e: -e[1])
+    return dict(ranked[:k])
+
+
 def scores(live: "_Live", k: int) -> dict[str, list]:
     """A scoring request's result in the shape the transformers engine gives (``GenerateEngine._score``):
     per prompt token after the first and for the generated token, its logprob and the ``k`` most likely
-    tokens at that position (vLLM adds the actual token to its top ``k``; it is kept only by rank)."""
+    tokens at that position (:func:`most_likely`)."""
     ids = list(live.req.prompt_ids)
     positions = [live.prompt_logprobs[i] for i in range(1, len(ids))] + [live.logprobs[0]]
     following = ids[1:] + live.output_ids[:1]
     return {"token_ids": ids + live.output_ids[:1],
             "token_logprobs": [None] + [d[t].logprob for d, t in zip(positions, following)],
-            "top_logprobs": [None] + [{t: lp.logprob for t, lp in d.items() if lp.rank <= k} for d in positions]}
+            "top_logprobs": [None] + [most_likely(d, k) for d in positions]}
 
 
 @dataclass
@@ -396,7 +404,7 @@ class VllmRunner:
             if live.req.params.logprobs is not None:
                 k = live.req.params.logprobs
                 live.req.emit("tokens", new, logprobs=[
-                    TokenLogprobs(t, d[t].logprob, {i: lp.logprob for i, lp in d.items() if lp.rank <= k})
+                    TokenLogprobs(t, d[t].logprob, most_likely(d, k))
                     for d, t in zip(completion.logprobs, new)])
             else:
                 live.req.emit("tokens", new)

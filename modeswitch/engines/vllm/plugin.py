@@ -62,6 +62,7 @@ def register() -> None:
     drafting.draft_per_request(_one_process)
     if in_engine_process():
         drafting.fix_cpu_expand()
+        drafting.fix_empty_drafts()
     leave_with_parent()
     from ... import logs
     from ...device import keep_heap_trimmed

@@ -1,0 +1,13 @@
+"""Checks of OpenAI's meaning that more than one test file asks of a response."""
+
+from __future__ import annotations
+
+
+def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]], k: int) -> None:
+    """OpenAI's ``top_logprobs`` at one position: the ``k`` most likely tokens, most likely first, each <= 0; the
+    chosen token's logprob is its entry's when it is among them, and no higher than the last one's when it is not.
+    This holds whichever token sampling chose (vLLM's own server lists the chosen token first instead)."""
+    values = [v for _, v in top]
+    assert len(top) == k and values == sorted(values, reverse=True) and all(v <= 0 for v in values), top
+    # two token ids may decode to the same text: a chosen token that is not listed ranks below the k listed
+    assert logprob in [v for t, v in top if t == token] or logprob <= values[-1], (token, logprob, top)

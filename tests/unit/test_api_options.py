@@ -1,0 +1,73 @@
+"""What a stream reports (``stream_options``, as vLLM models it) and what each response says it honoured, over the
+fake backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modeswitch.engines.base import OPTIONS
+
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def sse(resp) -> list[dict]:
+    lines = [line for line in resp.get_data(as_text=True).split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "Hello"}),
+                                         ("/v1/chat/completions", {"messages": CHAT})])
+def test_stream_options_are_modelled_and_need_a_stream(make_app, route, body):
+    app = make_app()
+    unknown = app.post(route, json={**body, "stream": True, "stream_options": {"include_usage": True, "chunked": 1}})
+    assert unknown.status_code == 400 and unknown.get_json()["error"]["param"] == "stream_options.chunked"
+    unstreamed = app.post(route, json={**body, "stream_options": {"include_usage": True}})
+    err = unstreamed.get_json()["error"]
+    assert unstreamed.status_code == 400 and err["param"] == "stream_options" and "stream: true" in err["message"]
+    assert app.post(route, json={**body, "max_tokens": 2, "stream_options": {}}).status_code == 200  # sets nothing
+
+
+def test_usage_at_the_end_or_on_every_chunk_as_vllm_sends_it(make_app):
+    app = make_app()
+    body = {"prompt": "Hello", "max_tokens": 3, "n": 2, "stream": True, "temperature": 0}
+    prompt = len(app.service.tokenizer("Hello").input_ids)
+    plain = sse(app.post("/v1/completions", json=body))
+    assert all("usage" not in c for c in plain)
+    # continuous_usage_stats acts only with include_usage, as in vLLM
+    alone = sse(app.post("/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}}))
+    assert all("usage" not in c for c in alone)
+    chunks = sse(app.post("/v1/completions", json={**body, "stream_options": {"include_usage": True,
+                                                                               "continuous_usage_stats": True}}))
+    *streamed, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6 and last["usage"]["prompt_tokens"] == prompt
+    assert streamed[0]["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    seen = {0: 0, 1: 0}
+    for chunk in streamed[1:]:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= seen[choice["index"]]  # its own choice's tokens, so far
+        seen[choice["index"]] = usage["completion_tokens"]
+    assert seen == {0: 3, 1: 3}
+
+
+def test_each_response_says_which_options_were_honoured_and_which_had_no_effect(make_app):
+    app = make_app()
+    sampled = app.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 2, "temperature": 0.7, "seed": 3, "top_p": 0.9, "logprobs": True,
+        "top_logprobs": 2, "user": "u1", "metadata": {"k": "v"}})
+    block = sampled.get_json()["modeswitch"]
+    assert block["honoured"] == ["logprobs", "max_tokens", "seed", "temperature", "top_logprobs", "top_p"]
+    assert block["no_effect"] == ["metadata", "user"]
+    # what a mode honours of the engine's options is on its card: the serving mode's covers the response's
+    card = app.modes()[block["mode"]]["honours"]
+    assert set(block["honoured"]) & OPTIONS <= set(card)
+    # a greedy request: sampling settings change nothing, and the response says so
+    greedy = app.complete("Hello", max_tokens=2, seed=5, top_k=4, store=False)["modeswitch"]
+    assert greedy["honoured"] == ["max_tokens", "temperature"] and greedy["no_effect"] == ["seed", "store", "top_k"]
+    chunks = sse(app.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True, "user": "u"}))
+    blocks = [c["modeswitch"] for c in chunks if "modeswitch" in c]
+    assert blocks and all(b["honoured"] == ["max_tokens", "stream"] and b["no_effect"] == ["user"] for b in blocks)
