@@ -116,6 +116,16 @@ def demo_to_build(ref: str) -> str | None:
     return name
 
 
+def _end_with_parent() -> None:
+    """In a build's child process (Linux): SIGTERM when the server that started it exits, so that a server
+    stopped mid-build leaves no orphan computing on (a build writes under a temporary name: nothing half-made
+    is left either)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def prepare_in_subprocess(name: str, idle: bool = False) -> None:
     """Build the demo checkpoint ``name`` in a child process (``python -m modeswitch.weights.presets --prepare``), under
     ``SCHED_IDLE`` with ``idle`` (a server building it behind the requests it serves); raises
@@ -126,7 +136,8 @@ def prepare_in_subprocess(name: str, idle: bool = False) -> None:
     from ..priority import lower
 
     proc = subprocess.Popen([sys.executable, "-m", "modeswitch.weights.presets", "--prepare", name],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_end_with_parent if sys.platform == "linux" else None)
     if idle:
         lower(proc.pid)
     out, _ = proc.communicate()

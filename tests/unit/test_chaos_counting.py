@@ -69,7 +69,7 @@ class Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def server():
+def failing_server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -77,24 +77,24 @@ def server():
     httpd.shutdown()
 
 
-def stream(server, behaviour: str) -> dict:
-    server.behaviour = behaviour
-    load = chaos.Load(f"http://127.0.0.1:{server.server_address[1]}", 1, TIMEOUT_S, ["int8"])
+def stream(failing_server, behaviour: str) -> dict:
+    failing_server.behaviour = behaviour
+    load = chaos.Load(f"http://127.0.0.1:{failing_server.server_address[1]}", 1, TIMEOUT_S, ["int8"])
     load.pending[0] = {}
     return load._one(0, "stream", random.Random(0))
 
 
 @pytest.mark.parametrize("behaviour", ["ok", "error_event", "truncated", "stalled", "stranded"])
-def test_each_way_a_stream_ends_is_its_own_outcome(server, behaviour):
-    record = stream(server, behaviour)
+def test_each_way_a_stream_ends_is_its_own_outcome(failing_server, behaviour):
+    record = stream(failing_server, behaviour)
     assert record["outcome"] == behaviour, record
     if behaviour != "stranded":  # answered: the replica and mode that served it are known
         assert (record["replica"], record["mode"]) == ("r1", "int8")
 
 
-def test_a_client_hung_past_its_join_is_counted_once(server):
-    server.behaviour = "hung"
-    load = chaos.Load(f"http://127.0.0.1:{server.server_address[1]}", 1, 10.0, ["int8"])
+def test_a_client_hung_past_its_join_is_counted_once(failing_server):
+    failing_server.behaviour = "hung"
+    load = chaos.Load(f"http://127.0.0.1:{failing_server.server_address[1]}", 1, 10.0, ["int8"])
     load.threads[0].start()
     time.sleep(0.5)
     load.finish(join_s=0.2)
