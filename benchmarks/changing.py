@@ -121,6 +121,7 @@ def main() -> int:
     ap.add_argument("--only", action="append", default=None, help="a server's label to run (repeatable; default: all)")
     ap.add_argument("--pinned", action="store_true", help="also run each ModeSwitch server pinned to each of its modes")
     ap.add_argument("--pinned-repeats", type=int, default=1, help="of the repeats, how many also run every pinned mode")
+    ap.add_argument("--pin", action="append", default=None, help="with --pinned: only this mode (repeatable)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -146,6 +147,7 @@ def main() -> int:
                     server.start(model_dir, args.model, Path(tmp))
                     run_trace(server, tokenizer, WARMUP_RUN + rnd)
                     pinned = available_modes(server.url) if args.pinned and server.flags is not None else []
+                    pinned = [m for m in pinned if not args.pin or m in args.pin]
                     for i in range(args.repeats):
                         # the adaptive run, then the same prompts pinned to each mode: drift hits every row alike
                         for mode in [None, *(pinned if i < args.pinned_repeats else [])]:
