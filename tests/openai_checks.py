@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 
-def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]], k: int) -> None:
+def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]], k: int, by_text: bool = False) -> None:
     """OpenAI's ``top_logprobs`` at one position: the ``k`` most likely tokens, most likely first, each <= 0; the
     chosen token's logprob is its entry's when it is among them, and no higher than the last one's when it is not.
-    This holds whichever token sampling chose (vLLM's own server lists the chosen token first instead)."""
+    This holds whichever token sampling chose (vLLM's own server lists the chosen token first instead).
+    ``by_text``: the completions API's form, a dict by token text, where two token ids that decode to the same
+    text share one key (so it may hold fewer than ``k``)."""
     values = [v for _, v in top]
-    assert len(top) == k and values == sorted(values, reverse=True) and all(v <= 0 for v in values), top
+    assert (0 < len(top) <= k if by_text else len(top) == k), top
+    assert values == sorted(values, reverse=True) and all(v <= 0 for v in values), top
     # two token ids may decode to the same text: a chosen token that is not listed ranks below the k listed
     assert logprob in [v for t, v in top if t == token] or logprob <= values[-1], (token, logprob, top)

@@ -78,6 +78,15 @@ def generated_logprobs(lps: list[TokenLogprobs], offset: int) -> dict:
                             "top_logprobs": [lp.top for lp in lps]}, offset)
 
 
+def _by_text(top: dict[int, float], decode) -> dict[str, float]:
+    """One position's alternatives keyed by their text, most likely first. Two token ids may decode to the same
+    text: the key keeps the likelier one's logprob (the later, lower one would otherwise overwrite it)."""
+    out: dict[str, float] = {}
+    for token, logprob in top.items():
+        out.setdefault(decode([token]), json_logprob(logprob))
+    return out
+
+
 def openai_logprobs(lp: dict, offset: int = 0) -> dict:
     """Engine scores (token ids) in OpenAI's legacy completions shape (token strings, offsets)."""
     decode = ctx().service.tokenizer.decode
@@ -86,6 +95,6 @@ def openai_logprobs(lp: dict, offset: int = 0) -> dict:
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    top = [None if d is None else {decode([t]): json_logprob(v) for t, v in d.items()} for d in lp["top_logprobs"]]
+    top = [None if d is None else _by_text(d, decode) for d in lp["top_logprobs"]]
     return {"tokens": tokens, "token_logprobs": [json_logprob(v) for v in lp["token_logprobs"]], "top_logprobs": top,
             "text_offset": offsets}

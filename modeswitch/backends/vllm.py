@@ -80,7 +80,6 @@ class VllmBackend:
     name = gate_key = "vllm"
 
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
-        vllm_compat.require()  # an untested vLLM is refused here, with one line, before anything starts
         self.checkpoint = Checkpoint(preset, load)
         #: vLLM's own default, on a CPU too: its engines compile the model (Inductor; CUDA graphs on a GPU)
         #: unless ``--decode eager``. On the 2-core AVX2 demo machine eager engines served 0.87x / 0.72x of
@@ -119,7 +118,9 @@ class VllmBackend:
         self._supervisor: threading.Thread | None = None
 
     def open(self, progress: Progress) -> ModelInfo:
-        return self.checkpoint.open()
+        info = self.checkpoint.open()  # missing weights are said first: the check below imports vLLM's workers
+        vllm_compat.require()  # an untested vLLM is refused here, with one line, before any engine starts
+        return info
 
     def runner_key(self, spec: ModeSpec) -> str:
         """The engine a mode maps onto: its weights, plus its draft model when it drafts with one; the mode's

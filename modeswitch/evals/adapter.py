@@ -64,7 +64,8 @@ class ModeSwitchLM(TemplateLM):
         self.window = scorer.max_queue  # scoring requests in flight at once (more would find the mode saturated)
         specs = [spec] if scorer is spec else [spec, scorer]
         # +2: a scored sequence of max_length + 1 tokens (as lm-eval's hf model truncates) plus one generated
-        config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE,
+        # one mode, pinned: the engines' measured costs order nothing, and calibrating would take scoring slots
+        config = ServerConfig(model=model, gptq=gptq, gate_report=NO_GATE, calibrate=False,
                               load=LoadConfig(backend=backend, device=device, dtype=dtype, max_model_len=max_length + 2,
                                               staged=False))
         policy = RulePolicy(name=f"lm-eval:{mode}", rules=(), default=(mode,), fallback=())

@@ -120,7 +120,7 @@ def _logprobs(m: Pinned) -> None:
     lp = m.complete(OPEN, temperature=1.0, logprobs=3).choices[0].logprobs
     assert len(lp.tokens) == 3
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert_most_likely(token, logprob, list(top.items()), 3)
+        assert_most_likely(token, logprob, list(top.items()), 3, by_text=True)
 
 
 def _structured_outputs(m: Pinned) -> None:
