@@ -15,11 +15,17 @@ import uuid
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from ..backends.restarts import Restarts
     from ..energy import EnergyAccountant, StepCost
+
+
+class RestartRecord(Protocol):
+    """What an engine reads of its supervisor's record (``backends.restarts.Restarts``: the backends, above the
+    engines, keep it)."""
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class QueueFull(RuntimeError):
@@ -198,7 +204,7 @@ class Engine(ABC):
     batch_slots = 1
     #: its supervisor's record of the engine's deaths, restarts and next start (set by the backend that watches it;
     #: modes on one vLLM engine share it): :meth:`supervision` reads it for ``/v1/modes`` and ``/metrics``
-    restarts: "Restarts | None" = None
+    restarts: RestartRecord | None = None
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
