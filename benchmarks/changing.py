@@ -17,10 +17,11 @@ tokens as the batch grows). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's W
 speculation: the static configuration of ModeSwitch's fastest mode, to tell the controller's part from the
 weights'.
 
-``--pinned`` measures the controller's own worth: after each ModeSwitch server's own traces, the same server
-(started once, its engines warm and measured) runs the same traces with every request pinned to one mode, for
-every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives the best pinned
-mode's mean over the adaptive one's, per phase. ``--vllm ROW`` runs only the named static rows (repeatable).
+``--pinned`` measures the controller's own worth: after each of a ModeSwitch server's own traces, the same
+server (started once, its engines warm and measured) runs a trace of the same shape with every request pinned
+to one mode, for every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives
+the best pinned mode's mean over the adaptive one's, per phase. Each pinned trace has prompts of its own: one
+that repeated the adaptive trace's would find them in the prefix caches the adaptive trace filled. ``--vllm ROW`` runs only the named static rows (repeatable).
 
     .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer] [--pinned]
 """
@@ -49,6 +50,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 #: vLLM's dynamic speculation: k by the batch size (inclusive ranges)
 SCHEDULE = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 6, 3], [7, 256, 1]]}
 WARMUP_RUN = 1000  # the warm-up trace's prompts: far from the measured runs' text
+PINNED_RUNS = 10_000  # the j-th pinned row's prompts: run + j x PINNED_RUNS
 
 
 def every_core() -> str:
@@ -150,9 +152,9 @@ def main() -> int:
                     pinned = [m for m in pinned if not args.pin or m in args.pin]
                     for i in range(args.repeats):
                         # the adaptive run, then the same prompts pinned to each mode: drift hits every row alike
-                        for mode in [None, *(pinned if i < args.pinned_repeats else [])]:
+                        for j, mode in enumerate([None, *(pinned if i < args.pinned_repeats else [])]):
                             label = server.label if mode is None else f"{server.label} pinned {mode}"
-                            got = run_trace(server, tokenizer, rnd * args.repeats + i, mode)
+                            got = run_trace(server, tokenizer, rnd * args.repeats + i + j * PINNED_RUNS, mode)
                             records.setdefault(label, []).extend(got)
                             mean = statistics.fmean(r["latency_s"] for r in got)
                             print(f"  round {rnd}, {label}, run {i}: mean {mean:.3f} s", flush=True)
@@ -177,16 +179,21 @@ def main() -> int:
 PHASES = ("lull", "burst", "shared_prefix", "lull2", "overall")
 #: what a saved record keeps of the features a ModeSwitch server decided on
 KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain",
-                 "in_flight_by_mode")
+                 "in_flight_by_mode", "prefilling_by_mode")
 
 
 def decision_us(records: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
-    """Per ModeSwitch row that decided (not pinned), the controller's decision time: p50 and p90 in us."""
+    """Per ModeSwitch row that decided (not pinned), the controller's decision cost (the deciding thread's CPU
+    time) and its wall time: p50 and p90 in us."""
     out = {}
     for label, rs in records.items():
-        us = sorted(r["decision_us"] for r in rs if r.get("decision_us") is not None)
-        if us and " pinned " not in label:
-            out[label] = {"p50": statistics.median(us), "p90": pct(us, 0.9), "n": len(us)}
+        if " pinned " in label:
+            continue
+        for name, key in (("cpu", "decision_us"), ("wall", "decision_wall_us")):
+            us = sorted(r[key] for r in rs if r.get(key) is not None)
+            if us:
+                out.setdefault(label, {"n": len(us)}).update(
+                    {f"{name}_p50": statistics.median(us), f"{name}_p90": pct(us, 0.9)})
     return out
 
 

@@ -2,8 +2,9 @@
 
 Every engine keeps two curves per *stream* (its plain requests, and apart from them its drafting requests):
 
-- ``prefill``: seconds to the first token against the prompt tokens it must compute (the prompt less what the
-  mode's prefix cache holds);
+- ``prefill``: seconds to the first token against the prompt tokens computed before it: its own (the prompt
+  less what the mode's prefix cache holds) and those of the requests on the lane still waiting for their first
+  token (a burst's prompts are computed one after another, and the last one waits for them all);
 - ``step``: seconds per target step against the requests running on the engine's *lane* (the cores or device
   its model computes on, shared with any engine on the same lane), this request included.
 
@@ -13,14 +14,16 @@ the size, each a decaying mean of (size, seconds) so that a bucket follows a mac
 curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
 two buckets' slope after the last): nothing in a prediction is a constant that this machine did not measure.
 
-A request ``r`` on mode ``m`` of engine ``e`` whose lane runs ``b`` requests is predicted to take
+A request ``r`` on mode ``m`` of engine ``e`` whose lane runs ``b`` requests, ``q`` prompt tokens of them not
+computed yet, is predicted to take
 
-    own(r, m)   = wait_e + prefill_e(unmatched prompt) + (max_tokens - 1) x step_e(b + 1) / tokens_per_step(m, r)
-    delay(r, m) = b x (prefill_e(unmatched prompt) + steps(r) x (step_e(b + 1) - step_e(b)))
+    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + (max_tokens - 1) x step_e(b + 1) / tokens_per_step(m, r)
+    delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q) + steps(r) x (step_e(b + 1) - step_e(b)))
 
 where ``tokens_per_step`` is 1 for a plain mode and the drafting acceptance learned for this kind of request
 (:mod:`.speculation`) for a speculative one, ``wait_e`` counts the requests queued beyond the engine's batch,
-and ``delay`` is what ``r`` costs the requests already on the lane. A mode whose stream has not measured a
+and ``delay`` is what ``r`` costs the requests already on the lane (its prompt's share of the prefill they
+wait behind or stall for, and the growth of every step they share with it; ``prefill_e(0)`` is 0). A mode whose stream has not measured a
 curve yet predicts nothing (``None``): it is never compared on a guess, so one mode's unmeasured prior cannot
 mask another's measured cost.
 
@@ -313,9 +316,16 @@ class CostModel:
         lane = lanes.get(mode, "")
         return sum(n for m, n in in_flight_by_mode.items() if lanes.get(m, "") == lane)
 
+    def lane_prefilling(self, mode: str, prefilling_by_mode: Mapping[str, int]) -> int:
+        """Prompt tokens not computed yet by the requests on the lane ``mode``'s engine computes on."""
+        lanes = self.binding.lanes
+        lane = lanes.get(mode, "")
+        return sum(n for m, n in prefilling_by_mode.items() if lanes.get(m, "") == lane)
+
     def observe(self, completed: Completed) -> None:
         """Correct the served stream's curves from a finished request: its time to first token against the
-        prompt it computed, its time per target step against the lane load it met, its whole time."""
+        prompt tokens computed before it (its own and those it waited behind), its time per target step against
+        the lane load it met, its whole time."""
         b = self.binding
         stream = b.streams.get(completed.mode)
         if (stream is None or completed.outcome != "ok" or completed.retried or completed.scoring
@@ -324,7 +334,8 @@ class CostModel:
         f = completed.features
         load = self.lane_load(completed.mode, f.in_flight_by_mode) + 1  # as decided: this request joining
         unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
-        self.add_prefill(stream, unmatched, completed.ttft_s)
+        self.add_prefill(stream, self.lane_prefilling(completed.mode, f.prefilling_by_mode) + unmatched,
+                         completed.ttft_s)
         self.add_service(stream, completed.latency_s)
         if completed.tpot_s is None:
             return
@@ -354,6 +365,11 @@ class CostModel:
                 lane, engine = lanes.get(m, ""), engines.get(m, m)
                 on_lane[lane] = on_lane.get(lane, 0) + n
                 on_engine[engine] = on_engine.get(engine, 0) + n
+        queued: dict[str, int] = {}  # lane -> prompt tokens its requests have not computed yet
+        for m, n in features.prefilling_by_mode.items():
+            if n:
+                lane = lanes.get(m, "")
+                queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
         # on one vLLM engine): computed once
@@ -371,16 +387,21 @@ class CostModel:
             costs = streams.get(stream)
             if costs is None or not costs.measured:
                 return None
-            step_at = costs.step.at
-            lane_load = on_lane.get(lanes.get(mode, ""), 0)
+            step_at, prefill_at = costs.step.at, costs.prefill.at
+            lane = lanes.get(mode, "")
+            lane_load, ahead = on_lane.get(lane, 0), queued.get(lane, 0)
             step = step_at(lane_load + 1)
-            prefill = costs.prefill.at(unmatched)
+            prefill = prefill_at(ahead + unmatched)
             steps = (max_tokens - 1) / tokens_per_step if mode in b.drafting and tokens_per_step > 1 else max_tokens - 1
             decode = steps * step
             slots = b.slots.get(mode, 1) or 1
-            queued = on_engine.get(engines.get(mode, mode), 0) + 1 - slots
-            wait = -(-queued // slots) * costs.service.y if queued > 0 else 0.0
-            delay = lane_load * (prefill + steps * max(step - step_at(lane_load), 0.0)) if lane_load else 0.0
+            waiting = on_engine.get(engines.get(mode, mode), 0) + 1 - slots
+            wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
+            if lane_load:
+                own_prefill = prefill - prefill_at(ahead) if ahead else prefill
+                delay = lane_load * (max(own_prefill, 0.0) + steps * max(step - step_at(lane_load), 0.0))
+            else:
+                delay = 0.0
             return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
 
         return predict

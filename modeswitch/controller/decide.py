@@ -46,9 +46,12 @@ class Decision:
     features: Features
     filtered: Mapping[str, Verdict] = field(default_factory=dict)
     policy: str = ""
+    #: what deciding cost: the deciding thread's CPU time (the work the decision does), and the wall time it took
+    #: (that work plus any time the thread waited for a core or the interpreter lock other threads held)
     decision_us: float = 0.0
     rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
     prediction: Mapping | None = None  # what the policy expected of the chosen mode (and of the runner-up)
+    decision_wall_us: float = 0.0
 
 
 class Controller:
@@ -106,7 +109,7 @@ class Controller:
         return filtered
 
     def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time_ns()
         cycle = Cycle(features, self.policy, self.quality_report)
         policy = cycle.policy
         filtered = self._filter(cycle, exclude)
@@ -125,8 +128,9 @@ class Controller:
             else:
                 mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
                 prediction = choice.prediction
-        elapsed = (time.perf_counter() - start) * 1e6
-        return Decision(mode, reason, features, filtered, policy.name, elapsed, rule, prediction)
+        spent_us = (time.thread_time_ns() - cpu) / 1e3
+        wall_us = (time.perf_counter() - start) * 1e6
+        return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, prediction, wall_us)
 
     def add_observer(self, observer: Observer) -> None:
         """Have ``observer`` called with every completed request."""

@@ -48,6 +48,9 @@ class Features:
     scoring: int = 0
     #: requests in flight per mode (the queue in front of a request in that mode; batch occupancy for CB)
     in_flight_by_mode: Mapping[str, int] = field(default_factory=dict)
+    #: per mode, the prompt tokens its requests in flight still have to compute (those without a first token
+    #: yet): the prefill a new request on the same engine lane waits behind
+    prefilling_by_mode: Mapping[str, int] = field(default_factory=dict)
     #: 1 when a prefix-cache mode runs requests in a batch (see FEATURE_DOCS)
     prefix_cache_batched: int = 0
     #: what drafting is expected to do for this request (see FEATURE_DOCS)

@@ -111,6 +111,9 @@ class Generation:
         self._recorded = False
         self._spent_j = 0.0  # energy of earlier attempts on modes that failed the request
         self.request: GenRequest | None = None
+        #: the mode and prompt tokens this request has still to compute there, counted in the service's
+        #: ``prefilling`` until its first token (or its end)
+        self._owed: tuple[str, int] | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         #: generated tokens' logprobs (when asked for), and how many :meth:`take_logprobs` has handed out
         self.token_logprobs: list[TokenLogprobs] = []
@@ -144,6 +147,8 @@ class Generation:
             if self.request is not None:
                 self._spent_j += self.request.energy_j
             self.decision, self.request = decision, req
+            self._owed = self.service.owe(decision.mode, len(self.prompt_ids)
+                                          - self.features.prefix_match_by_mode.get(decision.mode, 0))
             self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)
             return
 
@@ -156,6 +161,7 @@ class Generation:
             self._record("error")
             raise GenerationError(f"mode {self.mode} failed: {error}")
         self._excluded = self._excluded | {self.mode}
+        self._settle()
         self._restart_text()
         try:
             self._submit()
@@ -175,6 +181,7 @@ class Generation:
         if self._recorded:
             return
         self._recorded = True
+        self._settle()
         end = self.finished_at or time.perf_counter()
         ttft = tpot = None
         n = self.completion_tokens
@@ -238,6 +245,7 @@ class Generation:
                 if event.kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
+                        self._settle()
                     self.completion_tokens += len(event.token_ids)
                     self.token_logprobs += event.info.get("logprobs", ())
                     delta = self.assembler.add(self._visible(event.token_ids))
@@ -285,6 +293,12 @@ class Generation:
         self._logprobs_taken = len(self.token_logprobs)
         return new
 
+    def _settle(self) -> None:
+        """The prompt is computed (or will not be, on this mode): it no longer counts as prefill ahead of others."""
+        if self._owed is not None:
+            self.service.owe(*self._owed, paid=True)
+            self._owed = None
+
     def _finish(self, outcome: str) -> None:
         self.finished_at = time.perf_counter()
         self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
@@ -311,6 +325,7 @@ class Generation:
             "policy": self.decision.policy,
             "features": self.features.as_dict(),
             "decision_us": round(self.decision.decision_us, 1),
+            "decision_wall_us": round(self.decision.decision_wall_us, 1),
             "features_us": round(self.features_us, 1),
             **({"prediction": rounded(self.decision.prediction)} if self.decision.prediction else {}),
             "timings": timings,
@@ -343,6 +358,9 @@ class Service:
         #: match" and skip the cache (3-4 of every 17 in vLLM's prefix_repetition client at 4 concurrent).
         #: Held for microseconds: submitting never waits on generation.
         self.routing = threading.Lock()
+        #: per mode, the prompt tokens its requests in flight have still to compute (``Features.prefilling_by_mode``)
+        self.prefilling: dict[str, int] = {}
+        self._prefilling_lock = threading.Lock()
         controller.add_observer(self.metrics.finished)
         #: what drafting would do for a request (its features), learned from every completed one
         self.speculation = SpeculationModel()
@@ -380,6 +398,12 @@ class Service:
             keys={stream[m.spec.name]: stream_key(machine(), self.model_name, self.registry.backend_name, stream[m.spec.name], m.details) for m in modes},
             pairs=pairs))
 
+    def owe(self, mode: str, tokens: int, paid: bool = False) -> tuple[str, int]:
+        """Count ``tokens`` of prompt as still to compute on ``mode`` (or, ``paid``, as computed)."""
+        with self._prefilling_lock:
+            self.prefilling[mode] = self.prefilling.get(mode, 0) + (-tokens if paid else tokens)
+        return mode, tokens
+
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
         by_mode = self.registry.prefix_matches(prompt_ids)
@@ -400,6 +424,7 @@ class Service:
             task=task,
             scoring=int(params.prompt_logprobs is not None),
             in_flight_by_mode=in_flight,
+            prefilling_by_mode=self.prefilling.copy(),
             prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
             prompt_repeat=drafting.repeat,
             draft_tokens_per_step=drafting.tokens_per_step,

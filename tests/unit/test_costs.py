@@ -53,6 +53,27 @@ def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves(
     assert costs.predict("a", feats(prompt_tokens=100, max_tokens=11, in_flight_by_mode={"b": 3})).delay_s == 0
 
 
+def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
+    """A burst's prompts are computed one after another: a request joining a lane whose requests have 300 prompt
+    tokens still to compute waits for them (its prefill is read at 300 + its own), and delays the requests there
+    by its own share only; a finished request's time to first token is learned at the tokens it waited behind."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
+                       slots={"a": 8, "b": 8}))
+    for stream in ("a", "b"):
+        costs.add_prefill(stream, 100, 0.1)
+        costs.add_prefill(stream, 400, 0.4)
+        costs.add_step(stream, 1, 0.01)
+    behind = costs.predict("a", feats(prompt_tokens=100, max_tokens=1, in_flight_by_mode={"a": 3},
+                                      prefilling_by_mode={"a": 300}))
+    assert behind.prefill_s == pytest.approx(0.4) and behind.delay_s == pytest.approx(3 * 0.1)
+    other = costs.predict("b", feats(prompt_tokens=100, max_tokens=1, prefilling_by_mode={"a": 300}))
+    assert other.prefill_s == pytest.approx(0.1)
+    costs.observe(Completed("b", feats(prompt_tokens=100, in_flight_by_mode={"b": 1}, prefilling_by_mode={"b": 300}),
+                            "ok", 0.8, None, 1.0, 100, 1, 1.0, "estimated", False, False))
+    assert costs.stream("b").prefill.samples(400) == 2 and costs.stream("b").prefill.samples(100) == 1
+
+
 def test_a_prefix_cache_hit_drafting_and_a_full_batch_enter_the_prediction():
     costs = CostModel()
     costs.bind(Binding(streams={"pc": "e", "spec": "e drafting"}, lanes={}, engines={"pc": "e", "spec": "e"},
@@ -188,6 +209,7 @@ def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
     with ThreadPoolExecutor(8) as pool:
         served = list(pool.map(one, range(8)))
     assert min(served.count(m) for m in modes) >= 2, served
+    assert not any(app.service.prefilling.values())  # every prompt counted while computed, none left over
 
 
 def test_an_unmeasured_speculative_mode_masks_nothing(make_app):
