@@ -106,7 +106,7 @@ class OnlineLinear:
     a mode explored three times under load was predicted to serve a 512-token prompt with no queue in 0 s,
     and won four requests it served 2-5x slower than the mode it displaced."""
 
-    def __init__(self, dim: int, forgetting: float = 0.995, prior: float = 100.0, head: int = 0) -> None:
+    def __init__(self, dim: int, forgetting: float, prior: float = 100.0, head: int = 0) -> None:
         self.forgetting = forgetting
         self.n = 0
         self.w = np.zeros(dim)
@@ -503,23 +503,24 @@ def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> Lear
         raise sec.error("must name at least one mode", "modes")
     objective = sec.section("objective", Section({}, source, "objective"))
     objective.only({"latency", "energy"})
-    w_latency = float(objective.get("latency", (int, float), 1.0 if "energy" not in objective.data else 0.0))
-    w_energy = float(objective.get("energy", (int, float), 0.0))
+    # an objective that names energy alone weighs latency 0
+    w_latency = float(objective.get("latency", (int, float),
+                                    LearnedPolicy.w_latency if "energy" not in objective.data else 0.0))
+    w_energy = float(objective.get("energy", (int, float), LearnedPolicy.w_energy))
     if w_latency < 0 or w_energy < 0 or w_latency + w_energy == 0:
         raise objective.error("weights must be >= 0 and not both 0")
     ex = sec.section("explore", Section({}, source, "explore"))
-    ex.only({"min_samples", "epsilon", "decay", "max_cost_ratio", "max_load", "seed"})
-    explore = Exploration(
-        min_samples=ex.get("min_samples", int, 2), epsilon=float(ex.get("epsilon", (int, float), 0.05)),
-        decay=float(ex.get("decay", (int, float), 200.0)), max_cost_ratio=float(ex.get("max_cost_ratio", (int, float), 1.5)),
-        max_load=float(ex.get("max_load", (int, float), 1.0)), seed=ex.get("seed", int, 0))
+    counts, reals = ("min_samples", "seed"), ("epsilon", "decay", "max_cost_ratio", "max_load")
+    ex.only({*counts, *reals})
+    explore = Exploration(**{k: ex.get(k, int, getattr(Exploration, k)) for k in counts},
+                          **{k: float(ex.get(k, (int, float), getattr(Exploration, k))) for k in reals})
     if (not 0 <= explore.epsilon <= 1 or explore.decay <= 0 or explore.max_cost_ratio < 1 or explore.min_samples < 0
             or explore.max_load <= 0):
         raise ex.error("needs 0 <= epsilon <= 1, decay > 0, max_cost_ratio >= 1, min_samples >= 0, max_load > 0")
-    forgetting = float(sec.get("forgetting", (int, float), 0.995))
+    forgetting = float(sec.get("forgetting", (int, float), LearnedPolicy.forgetting))
     if not 0.5 < forgetting <= 1:
         raise sec.error(f"must be in (0.5, 1], got {forgetting}", "forgetting")
-    contention = float(sec.get("contention", (int, float), 1.0))
+    contention = float(sec.get("contention", (int, float), LearnedPolicy.contention))
     if contention < 0:
         raise sec.error(f"must be >= 0, got {contention}", "contention")
     base = Path(source).parent
