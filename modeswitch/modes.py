@@ -15,6 +15,9 @@ from .yamlconf import ConfigError, Section, load_yaml
 WEIGHTS = ("fp16", "gptq", "int8")
 DECODING = ("standard", "speculative")
 BATCHING = ("none", "continuous")
+#: the n-gram sizes prompt-lookup drafting matches on vLLM engines, the longest first (vLLM's ``prompt_lookup_min``
+#: and ``prompt_lookup_max``); the controller's replay of that drafting (``controller.speculation``) matches the same
+NGRAM_MIN, NGRAM_MAX = 2, 4
 
 DEFAULT_MODES_DIR = MODES_DIR
 

@@ -26,7 +26,7 @@ from ..engines.vllm import compat as vllm_compat
 from ..engines.vllm import plugin as vllm_plugin
 from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
-from ..modes import ModeSpec
+from ..modes import NGRAM_MAX, NGRAM_MIN, ModeSpec
 from ..priority import BackgroundStarts
 from ..weights.precision import dtype_name
 from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub
@@ -204,8 +204,8 @@ class VllmBackend:
         speculative = None
         if drafting:
             k = max(s.speculative.num_tokens for s in drafting)
-            speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                            "prompt_lookup_min": 2} if draft is None
+            speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": NGRAM_MAX,
+                            "prompt_lookup_min": NGRAM_MIN} if draft is None
                            else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
         return engine_args(
             model=self._source(spec), tokenizer=checkpoint.weights.ref("fp16"),
