@@ -24,6 +24,8 @@ from .wire import Forwarded
 
 #: a replica's prefix summary lags by one stats period; what this router sent is trusted this long meanwhile
 HINT_TTL_S = 10.0
+#: what a prefix hit on the whole prompt is worth, in queued requests (``--prefix-weight``'s default)
+PREFIX_WEIGHT = 4.0
 
 
 def forwarded(pending: PendingRequest | None) -> Forwarded | None:
@@ -94,7 +96,7 @@ class ModeSwitchRouter(Pinning, RequestRouter):
     and lowered mean TTFT by 2 %; both kept the replicas' loads equal.
     """
 
-    def initialize_state(self, prefix_weight: float = 4.0, min_headroom: float = 0.02, **kwargs) -> None:
+    def initialize_state(self, prefix_weight: float = PREFIX_WEIGHT, min_headroom: float = 0.02, **kwargs) -> None:
         self._prefix_weight = prefix_weight
         self._min_headroom = min_headroom
         self._hints: dict[ReplicaID, dict[int, float]] = {}
