@@ -30,8 +30,9 @@ class Checkpoint:
         self.preset = preset
         self.device, self.dtype = resolve_device_dtype(load.device, load.dtype)
         self.max_model_len = load.max_model_len
-        #: compiled decode: on by default on a GPU, where eager decode is launch-bound; on a CPU only when asked
-        #: (the 2-core demo is overhead-bound there and compiling costs minutes, STACK.md section 6)
+        #: compiled decode: on by default on a GPU, where eager decode is launch-bound (CUDA graphs replay a step
+        #: instead of launching its kernels one by one); on a CPU, where there are no CUDA graphs and compiling adds
+        #: minutes to a start, only when asked
         self.compiled_decode = load.decode == "compiled" or (load.decode == "auto" and self.device.type == "cuda")
         self.weights = WeightStore(preset, self.device, self.dtype, compiled_kernels=self.compiled_decode)
         self.shape: ModelShape | None = None
