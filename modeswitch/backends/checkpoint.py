@@ -17,7 +17,7 @@ from ..weights.store import VariantUnavailable, WeightStore, load_config, load_t
 from .base import ModelInfo
 
 # Continuous-batching KV sizing, always explicit: left to itself, transformers sizes the paged pool to 90 % of
-# free memory (and decodes 20x slower on a CPU for it). The vLLM plan reserves the same pool for these modes.
+# free memory (and decodes many times slower on a CPU for it). The vLLM plan reserves the same pool for these modes.
 CB_PAGE_SIZE = 64
 CB_NUM_BLOCKS = 128
 CB_MAX_BATCH_TOKENS = 512
@@ -88,7 +88,7 @@ class Checkpoint:
     def build_demo(self, refs: list[str], mode: str, idle: bool, progress) -> None:
         """Build the demo checkpoints among ``refs`` that are not built yet, each in a child process (under
         SCHED_IDLE with ``idle``, behind the requests served): the demo's GPTQ checkpoint takes minutes of
-        calibration on 2 cores, which then neither holds this process's memory nor competes with what it serves."""
+        calibration on a CPU, which then neither holds this process's memory nor competes with what it serves."""
         for ref in refs:
             if name := demo_to_build(ref):
                 started = time.perf_counter()
