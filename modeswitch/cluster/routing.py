@@ -91,9 +91,9 @@ class ModeSwitchRouter(Pinning, RequestRouter):
       spread over replicas evenly; then to the lower running J/token, then at random.
 
     With the default weight a replica holding three quarters of the prompt keeps the request until it has
-    three more requests in flight than the least loaded one. Measured on the demo (benchmarks/cluster.py, 24
-    groups of prompts sharing 384 of 512 tokens): weight 4 against 2 raised the hit rate from 0.35 to 0.43
-    and lowered mean TTFT by 2 %; both kept the replicas' loads equal.
+    three more requests in flight than the least loaded one. It was chosen with ``benchmarks/cluster.py``
+    (groups of prompts sharing most of their tokens): against a lower weight it raised the prefix hit rate and
+    kept the replicas' loads equal.
     """
 
     def initialize_state(self, prefix_weight: float = PREFIX_WEIGHT, min_headroom: float = 0.02, **kwargs) -> None:
