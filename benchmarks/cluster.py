@@ -60,7 +60,7 @@ def deploy(serve, args, router: str) -> float:
                           load=LoadConfig(backend="transformers", staged=False), http=HttpConfig(drain_timeout=5))
     t0 = time.perf_counter()
     serve.run(application(ClusterConfig(server=server, replicas=args.replicas, router=router,
-                                        prefix_weight=float(weight or 4.0))),
+                                        prefix_weight=float(weight) if weight else ClusterConfig.prefix_weight)),
               name="modeswitch", route_prefix="/")
     return time.perf_counter() - t0
 

@@ -15,6 +15,9 @@ from .yamlconf import ConfigError, Section, load_yaml
 WEIGHTS = ("fp16", "gptq", "int8")
 DECODING = ("standard", "speculative")
 BATCHING = ("none", "continuous")
+#: the n-gram sizes prompt-lookup drafting matches on vLLM engines, the longest first (vLLM's ``prompt_lookup_min``
+#: and ``prompt_lookup_max``); the controller's replay of that drafting (``controller.speculation``) matches the same
+NGRAM_MIN, NGRAM_MAX = 2, 4
 
 DEFAULT_MODES_DIR = MODES_DIR
 
@@ -50,15 +53,15 @@ def parse_mode(data, source: str) -> ModeSpec:
     sec = Section(data, source)
     sec.only({"name", "description", "weights", "decoding", "speculative", "prefix_cache", "prefix_cache_tokens",
               "batching", "max_queue", "own_engine"})
-    decoding = sec.get("decoding", str, "standard", DECODING)
+    decoding = sec.get("decoding", str, ModeSpec.decoding, DECODING)
     spec = None
     spec_sec = sec.section("speculative", None)
     if decoding == "speculative":
         spec_sec = spec_sec or Section({}, source, "speculative")
         spec_sec.only({"draft", "num_tokens"})
         spec = SpeculativeSpec(
-            draft=spec_sec.get("draft", str, "auto", ("auto", "ngram", "model", "gptq")),
-            num_tokens=spec_sec.get("num_tokens", int, 10),
+            draft=spec_sec.get("draft", str, SpeculativeSpec.draft, ("auto", "ngram", "model", "gptq")),
+            num_tokens=spec_sec.get("num_tokens", int, SpeculativeSpec.num_tokens),
         )
         if spec.num_tokens < 1:
             raise spec_sec.error("must be at least 1", "num_tokens")
@@ -66,15 +69,15 @@ def parse_mode(data, source: str) -> ModeSpec:
         raise sec.error("only allowed with decoding: speculative", "speculative")
     mode = ModeSpec(
         name=sec.get("name", str),
-        description=sec.get("description", str, ""),
+        description=sec.get("description", str, ModeSpec.description),
         weights=sec.get("weights", str, choices=WEIGHTS),
         decoding=decoding,
         speculative=spec,
-        prefix_cache=sec.get("prefix_cache", bool, False),
-        prefix_cache_tokens=sec.get("prefix_cache_tokens", int, 8192),
-        batching=sec.get("batching", str, "none", BATCHING),
-        max_queue=sec.get("max_queue", int, 8),
-        own_engine=sec.get("own_engine", bool, False),
+        prefix_cache=sec.get("prefix_cache", bool, ModeSpec.prefix_cache),
+        prefix_cache_tokens=sec.get("prefix_cache_tokens", int, ModeSpec.prefix_cache_tokens),
+        batching=sec.get("batching", str, ModeSpec.batching, BATCHING),
+        max_queue=sec.get("max_queue", int, ModeSpec.max_queue),
+        own_engine=sec.get("own_engine", bool, ModeSpec.own_engine),
         source=source,
     )
     if mode.max_queue < 1:

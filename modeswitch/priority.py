@@ -1,9 +1,9 @@
 """Work that must not slow what is being served runs under Linux's ``SCHED_IDLE`` CPU policy.
 
-A staged start serves from its first engine while the other engines start in the background. On 2 cores
-those starts (each engine importing torch and vLLM in two processes, loading, warming up with OpenMP threads
-on the same cores) made the first engine's requests 4.0-5.1x slower per output token for the 4-4.5 minutes
-they took (``benchmarks/staged_start.py``). Started under ``SCHED_IDLE`` an engine gets only CPU time the
+A staged start serves from its first engine while the other engines start in the background. On a CPU with
+few cores those starts (each engine importing torch and vLLM in two processes, loading, warming up with OpenMP
+threads on the same cores) slow the first engine's requests several-fold for the minutes they take
+(``benchmarks/staged_start.py`` measures it). Started under ``SCHED_IDLE`` an engine gets only CPU time the
 serving leaves, and goes back to the normal policy once it is up, or when ``limit_s`` has passed (a start
 must not wait forever behind a server that never idles).
 

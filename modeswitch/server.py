@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def claim_port(host: str, port: int) -> socket.socket:
     """The HTTP socket, bound before the models load; it listens once they have. A port in use fails at once
     instead of after minutes of loading, and nothing the start-up runs can take the port meanwhile: vLLM's
-    engines open ports of their own, and a benchmark's server once lost its port to one, 150 s into its start."""
+    engines open ports of their own, and one could take the port the server is about to listen on."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)

@@ -38,6 +38,6 @@ def select_backend(preset: Preset, load: LoadConfig) -> Backend:
         return TransformersBackend(preset, load)
     from .fallback import FallbackBackend
 
-    # GPTQ on PyTorch's int4 kernel (GPTQ's own codes, repacked): on the 2-core AVX2 EPYC, eager generate() in fp32,
-    # 53.3 ms/token against GPTQModel's TorchAtenLinear's 66.6, the same 32 greedy tokens
+    # GPTQ on PyTorch's int4 kernel (GPTQ's own codes, repacked): the same greedy tokens as GPTQModel's
+    # TorchAtenLinear, faster on a CPU
     return FallbackBackend(vllm, TransformersBackend(preset, load, checkpoint=vllm.checkpoint, repack_gptq=True))

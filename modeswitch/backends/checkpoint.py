@@ -17,7 +17,7 @@ from ..weights.store import VariantUnavailable, WeightStore, load_config, load_t
 from .base import ModelInfo
 
 # Continuous-batching KV sizing, always explicit: left to itself, transformers sizes the paged pool to 90 % of
-# free memory (and decodes 20x slower on a CPU for it). The vLLM plan reserves the same pool for these modes.
+# free memory (and decodes many times slower on a CPU for it). The vLLM plan reserves the same pool for these modes.
 CB_PAGE_SIZE = 64
 CB_NUM_BLOCKS = 128
 CB_MAX_BATCH_TOKENS = 512
@@ -30,8 +30,9 @@ class Checkpoint:
         self.preset = preset
         self.device, self.dtype = resolve_device_dtype(load.device, load.dtype)
         self.max_model_len = load.max_model_len
-        #: compiled decode: on by default on a GPU, where eager decode is launch-bound; on a CPU only when asked
-        #: (the 2-core demo is overhead-bound there and compiling costs minutes, STACK.md section 6)
+        #: compiled decode: on by default on a GPU, where eager decode is launch-bound (CUDA graphs replay a step
+        #: instead of launching its kernels one by one); on a CPU, where there are no CUDA graphs and compiling adds
+        #: minutes to a start, only when asked
         self.compiled_decode = load.decode == "compiled" or (load.decode == "auto" and self.device.type == "cuda")
         self.weights = WeightStore(preset, self.device, self.dtype, compiled_kernels=self.compiled_decode)
         self.shape: ModelShape | None = None
@@ -87,7 +88,7 @@ class Checkpoint:
     def build_demo(self, refs: list[str], mode: str, idle: bool, progress) -> None:
         """Build the demo checkpoints among ``refs`` that are not built yet, each in a child process (under
         SCHED_IDLE with ``idle``, behind the requests served): the demo's GPTQ checkpoint takes minutes of
-        calibration on 2 cores, which then neither holds this process's memory nor competes with what it serves."""
+        calibration on a CPU, which then neither holds this process's memory nor competes with what it serves."""
         for ref in refs:
             if name := demo_to_build(ref):
                 started = time.perf_counter()

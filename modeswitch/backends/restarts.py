@@ -20,18 +20,21 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..config import LoadConfig
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """What counts as a crash loop, and how long a parked engine waits (``LoadConfig``'s ``crash_loop_*``)."""
+    """What counts as a crash loop, and how long a parked engine waits (``LoadConfig``'s ``crash_loop_*``, whose
+    defaults these are)."""
 
-    deaths: int = 5
-    window_s: float = 600.0
-    backoff_s: float = 120.0
-    backoff_max_s: float = 1800.0
+    deaths: int = LoadConfig.crash_loop_deaths
+    window_s: float = LoadConfig.crash_loop_window_s
+    backoff_s: float = LoadConfig.crash_loop_backoff_s
+    backoff_max_s: float = LoadConfig.crash_loop_backoff_max_s
 
     @classmethod
-    def of(cls, load: Any) -> "RestartPolicy":
+    def of(cls, load: LoadConfig) -> "RestartPolicy":
         """The policy a :class:`~modeswitch.config.LoadConfig` sets."""
         return cls(load.crash_loop_deaths, load.crash_loop_window_s, load.crash_loop_backoff_s,
                    load.crash_loop_backoff_max_s)

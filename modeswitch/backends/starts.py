@@ -1,5 +1,5 @@
 """How long each engine took to start the last time, kept in the cache directory, so that a start's progress
-lines say what to expect (``fp16: 35 s so far, last start 61 s``): a first start on 2 cores takes minutes,
+lines say what to expect (``fp16: 35 s so far, last start 61 s``): a first start on a CPU can take minutes,
 and a user watching it should know whether it is stuck."""
 
 from __future__ import annotations

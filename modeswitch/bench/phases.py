@@ -78,8 +78,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def phases(tokenizer, run: int, lull: int = 6, burst: int = 24, burst_clients: int = 12, shared: int = 12,
            shared_clients: int = 4, lull_tokens: int = 48, burst_tokens: int = 48, burst_prompt: int = 256,
            shared_tokens: int = 32, document_tokens: int = 512) -> list[Phase]:
-    """The four phases of run ``run`` (seeded: the same prompts for every server). The defaults take about a
-    minute per trace on vLLM's server on 2 CPU cores with the demo model."""
+    """The four phases of run ``run`` (seeded: the same prompts for every server). The defaults are sized so
+    that a trace of the demo model on a small CPU takes minutes, not hours."""
     rng = random.Random(run)
     take = TextSource(tokenizer).reader(run)
     index = 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import requests
 
+from ..config import LoadConfig
 from ..device import resolve_device_dtype
 from ..serving.launcher import ROOT, free_port, start_server, wait_calibrated, wait_loaded, wait_stopped
 from ..weights.precision import dtype_name
@@ -54,16 +55,16 @@ def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
 
 def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str],
                flags: list[str] = ()) -> tuple[subprocess.Popen, str, float]:
-    """vLLM's own OpenAI server on a free port, in the reference dtype as ModeSwitch's engines unless ``flags``
-    say otherwise (later flags win); (process, URL, start s)."""
+    """vLLM's own OpenAI server on a free port, in the reference dtype and at the default ``--max-model-len`` of
+    ModeSwitch's engines unless ``flags`` say otherwise (later flags win); (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
-                             "--dtype", REFERENCE_DTYPE, "--max-model-len", "8192", *flags], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=ROOT)
+                             "--dtype", REFERENCE_DTYPE, "--max-model-len", str(LoadConfig.max_model_len), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - started < 900:
         if proc.poll() is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import ServerConfig, add_flags, option, read_flags
 from ..server import build_parser, config_from_args
-from .routing import ROUTERS
+from .routing import PREFIX_WEIGHT, ROUTERS
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class ClusterConfig:
     stats_period_s: float = option(1.0, "seconds between replicas' routing stats", flag="--stats-period")
     request_timeout_s: float = option(600.0, "seconds a request may wait for a replica's first byte before a 503",
                                       flag="--request-timeout")
-    prefix_weight: float = option(4.0, "modeswitch router: what a prefix hit on the whole prompt is worth, in queued "
-                                  "requests (higher: more prefix affinity, less load balance)")
+    prefix_weight: float = option(PREFIX_WEIGHT, "modeswitch router: what a prefix hit on the whole prompt is worth, "
+                                  "in queued requests (higher: more prefix affinity, less load balance)")
 
 
 def cluster_parser() -> argparse.ArgumentParser:

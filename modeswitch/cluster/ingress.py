@@ -81,7 +81,7 @@ class Ingress:
     """Bound to the replica deployment's handle; ``request_timeout_s``: how long a request may wait for its
     replica's first byte before a 503."""
 
-    def __init__(self, replicas, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, replicas, request_timeout_s: float) -> None:
         self.replicas = replicas
         self.request_timeout_s = request_timeout_s
 

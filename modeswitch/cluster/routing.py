@@ -24,6 +24,8 @@ from .wire import Forwarded
 
 #: a replica's prefix summary lags by one stats period; what this router sent is trusted this long meanwhile
 HINT_TTL_S = 10.0
+#: what a prefix hit on the whole prompt is worth, in queued requests (``--prefix-weight``'s default)
+PREFIX_WEIGHT = 4.0
 
 
 def forwarded(pending: PendingRequest | None) -> Forwarded | None:
@@ -89,12 +91,12 @@ class ModeSwitchRouter(Pinning, RequestRouter):
       spread over replicas evenly; then to the lower running J/token, then at random.
 
     With the default weight a replica holding three quarters of the prompt keeps the request until it has
-    three more requests in flight than the least loaded one. Measured on the demo (benchmarks/cluster.py, 24
-    groups of prompts sharing 384 of 512 tokens): weight 4 against 2 raised the hit rate from 0.35 to 0.43
-    and lowered mean TTFT by 2 %; both kept the replicas' loads equal.
+    three more requests in flight than the least loaded one. It was chosen with ``benchmarks/cluster.py``
+    (groups of prompts sharing most of their tokens): against a lower weight it raised the prefix hit rate and
+    kept the replicas' loads equal.
     """
 
-    def initialize_state(self, prefix_weight: float = 4.0, min_headroom: float = 0.02, **kwargs) -> None:
+    def initialize_state(self, prefix_weight: float = PREFIX_WEIGHT, min_headroom: float = 0.02, **kwargs) -> None:
         self._prefix_weight = prefix_weight
         self._min_headroom = min_headroom
         self._hints: dict[ReplicaID, dict[int, float]] = {}

@@ -1,68 +1,34 @@
-"""The learned policy (``type: learned``): per mode, online predictors of latency and energy, lowest cost wins.
+"""The learned policy (``type: learned``): per running batch, online predictors of latency and energy; the
+lowest predicted cost wins. The policy file's keys and defaults: docs/controller.md, "Learned policy".
 
-```yaml
-name: learned
-type: learned
-modes: [fp16, prefix_cache, continuous_batching]  # candidates; the order breaks ties while cold
-objective: {latency: 1.0, energy: 0.0}  # cost = latency_s x w_latency + energy_j x w_energy
-contention: 1.0              # what a request on one engine costs each request running on another (below)
-explore: {min_samples: 2, epsilon: 0.05, decay: 200, max_cost_ratio: 1.5, max_load: 1.0, seed: 0}
-forgetting: 0.995            # recursive least squares forgetting factor: < 1 follows a changing machine
-state: learned_state.json    # kept across restarts (relative paths: next to the policy file)
-warm_start: results.json     # a benchmark run's records, read when there is no state yet
-quality: {...}               # the gates' blocks, as in rule policies
-energy: {...}
-memory: {...}
-```
+Each batch has three recursive-least-squares models over a few features: time to first token from the tokens it
+must prefill (the prompt minus what its prefix cache holds; linear and quadratic) and the queue in front of it;
+time per output token from the context length and the queue; request energy from the prefill terms and the
+output length. A request costs ``ttft + (max_tokens - 1) x tpot`` (and/or energy), and the policy picks the
+cheapest mode that passed the gates. Every completed request updates its batch's models, so a mode that is slow
+on this hardware is learned to be slow whatever a rule table would say. Modes that share one running batch (on
+vLLM, the modes of one engine: :meth:`LearnedPolicy.bind`) differ only in per-request options the features
+carry, so they share one set of models and are explored as one. A batch that drafts learns its time per target
+step, and a request's time per token is that over the tokens per step :mod:`.speculation` predicts for it.
 
-Each mode (each running batch, below) has three recursive-least-squares models over a handful of features: time to first token from the
-tokens it must prefill (the prompt minus what its prefix cache holds; linear and quadratic) and the queue
-in front of it; time per output token from the context length and the queue; request energy from the same
-prefill terms and the output length. A request costs ``ttft + (max_tokens - 1) x tpot`` (and/or energy);
-the policy picks the cheapest mode that passed the gates. Exploration is bounded: each mode is tried
-``min_samples`` times, then with probability ``epsilon / (1 + decisions / decay)`` a mode predicted within
-``max_cost_ratio`` of the best is tried instead. Every completed request updates its mode's models, so a
-mode that is slow on this hardware is learned to be slow whatever a rule table would say.
+Why the cost and the exploration are shaped as they are:
 
-The latency a request costs is not only its own. Every engine of a server runs on the one device, so a
-request sent to an engine while requests run on another takes device time from them: on the 2-core CPU,
-where vLLM binds every engine's worker to the same core, the two engines took turns, each at half speed
-(the first four requests of a cold run, two on each of two engines, took 13.3 s where 6.9 s pinned to one).
-Joining the running batch instead costs its members one more row in a step. So a mode's cost adds, per
-request running on another batch, ``contention`` times the request's predicted latency alone (its device
-time: 1 = the engines take turns, as measured on the CPU; lower where engines overlap, 0 = ignore).
-For the same reason, while the requests in flight all run in batches (engines that batch, :meth:`bind`), a
-cold batch waits for an idle server before it is explored: tried under that load it would slow every one of
-them, and learn contended timings. An idle instant inside a busy spell is not enough either: requests
-arriving right after it would run beside the exploration, each of them slowed for its whole length (4 clients
-in a closed loop leave the server idle only between two traces; exploring the fp32 batch there, once a
-trace, cost the learned policy 1.12x the best static mode's mean latency on 2 AVX512 cores, with 237 of 240
-requests on that mode). So where a batching mode is known, a cold batch also waits for a lull: the requests
-the last arrivals found in flight (a moving mean over about ten, :data:`LOAD_WEIGHT`) below
-``explore.max_load``. Under sustained load it stays unexplored, which costs nothing while the batch in use
-takes every new request as it comes. Where a busy mode serves one request at a time its queue
-grows, and trying another mode is how the policy finds out: there exploration does not wait. A consequence
-to know: under sustained load the load stays on the batch that holds it (moving a request costs the others
-more than it saves), so which batch serves a long busy spell is the one in use when it began. Hence also: a
-batch tried but not yet observed (its first requests still running) predicts nothing and yields to observed
-ones; before that rule, the requests after an exploration of speculative on an idle server followed it,
-predicted at 0 s, and a whole busy spell stayed there.
+* Every engine of a server runs on one device, so a request sent to one batch takes device time from the
+  requests running on the others: a mode's cost adds, per request running on another batch, ``contention``
+  times the request's latency alone (1: the engines take turns; 0: they do not compete).
+* Exploration is bounded: each batch is tried ``min_samples`` times, then with probability
+  ``epsilon / (1 + decisions / decay)`` a batch predicted within ``max_cost_ratio`` of the best is tried instead.
+* A batch explored under load slows every request in flight and learns contended timings. So while the requests
+  in flight all run in batching engines a cold batch waits for an idle server, and where a batching mode is
+  known also for a lull (the load the last arrivals found, :data:`LOAD_WEIGHT`, below ``explore.max_load``): an
+  idle instant inside a busy spell is not one. Where the busy mode serves one request at a time its queue grows,
+  and trying another mode is how the policy finds out: there exploration does not wait.
+* A batch tried but not yet observed (its first requests still running) predicts nothing: observed ones go first.
+  A consequence to know: under sustained load the load stays on the batch in use when the busy spell began
+  (moving a request costs the others more than it saves).
 
-Modes that share one running batch (on vLLM: int8, int8+prefix_cache and int8+continuous_batching are one
-engine; the server says which, :meth:`LearnedPolicy.bind`) differ only in per-request options, which the
-features already carry (what a mode's prefix cache holds), so they share one set of models, learned from
-all their requests, with the batch's requests in flight as the queue in front of each. From cold the policy
-explores each batch, not each mode (on the nine reference modes on vLLM, three engines instead of seven
-modes once the gate has removed GPTQ), and each exploration it skips is a request not sent to a mode slower
-than the best.
-
-A batch that drafts (speculative decoding) learns its time per target step instead of per token: how many
-tokens a step yields depends on the request (an answer quoting its prompt: several; free prose: about one), so
-its time per token is predicted as the step time over the request's ``draft_tokens_per_step`` feature, which
-:mod:`.speculation` predicts from every earlier request of its kind.
-
-Plain numpy least squares rather than river or scikit-learn: three 4-5 dimensional models per mode, an
-exact closed-form update, and predictions as Python dot products keep a decision in microseconds.
+Plain numpy least squares rather than river or scikit-learn: three small models per batch, an exact closed-form
+update, and predictions as Python dot products keep a decision in microseconds.
 """
 
 from __future__ import annotations
@@ -102,11 +68,10 @@ class OnlineLinear:
 
     With ``head`` > 0 a second fit over the first ``head`` features (the intercept, and the one feature that
     matters most) makes the predictions until the model has seen twice as many observations as it has
-    features. A fit over all of them from fewer requests than it has features extrapolates freely: from cold,
-    a mode explored three times under load was predicted to serve a 512-token prompt with no queue in 0 s,
-    and won four requests it served 2-5x slower than the mode it displaced."""
+    features: a fit over all of them from fewer requests than it has features extrapolates freely, and can
+    predict a long prompt served in no time, which would win requests for a slow mode."""
 
-    def __init__(self, dim: int, forgetting: float = 0.995, prior: float = 100.0, head: int = 0) -> None:
+    def __init__(self, dim: int, forgetting: float, prior: float = 100.0, head: int = 0) -> None:
         self.forgetting = forgetting
         self.n = 0
         self.w = np.zeros(dim)
@@ -208,9 +173,9 @@ class ModeModel:
         every request, and building the feature lists would take most of the decision's time (a test keeps
         the two forms equal). A prefix the mode's cache holds never makes the first token later: the prefill
         terms are fitted to first-token times that the queue dominates, and where their fit slopes down, a
-        cache-reading mode was predicted slower than its sibling in the same batch for the same request (it
-        sent shared-prefix requests past the cache: 16 cached tokens a request against 23 pinned), so the
-        prediction is at most the one for prefilling the whole prompt."""
+        cache-reading mode would be predicted slower than its sibling in the same batch for the same request, and
+        shared-prefix requests sent past the cache; so the prediction is at most the one for prefilling the whole
+        prompt."""
         return self._latency(mode, f, _queue(f, batch or (mode,)), f.queue_depth)
 
     def latency_alone(self, mode: str, f: Features) -> float:
@@ -503,23 +468,24 @@ def parse_learned(sec: Section, known: set[str], common: dict[str, Any]) -> Lear
         raise sec.error("must name at least one mode", "modes")
     objective = sec.section("objective", Section({}, source, "objective"))
     objective.only({"latency", "energy"})
-    w_latency = float(objective.get("latency", (int, float), 1.0 if "energy" not in objective.data else 0.0))
-    w_energy = float(objective.get("energy", (int, float), 0.0))
+    # an objective that names energy alone weighs latency 0
+    w_latency = float(objective.get("latency", (int, float),
+                                    LearnedPolicy.w_latency if "energy" not in objective.data else 0.0))
+    w_energy = float(objective.get("energy", (int, float), LearnedPolicy.w_energy))
     if w_latency < 0 or w_energy < 0 or w_latency + w_energy == 0:
         raise objective.error("weights must be >= 0 and not both 0")
     ex = sec.section("explore", Section({}, source, "explore"))
-    ex.only({"min_samples", "epsilon", "decay", "max_cost_ratio", "max_load", "seed"})
-    explore = Exploration(
-        min_samples=ex.get("min_samples", int, 2), epsilon=float(ex.get("epsilon", (int, float), 0.05)),
-        decay=float(ex.get("decay", (int, float), 200.0)), max_cost_ratio=float(ex.get("max_cost_ratio", (int, float), 1.5)),
-        max_load=float(ex.get("max_load", (int, float), 1.0)), seed=ex.get("seed", int, 0))
+    counts, reals = ("min_samples", "seed"), ("epsilon", "decay", "max_cost_ratio", "max_load")
+    ex.only({*counts, *reals})
+    explore = Exploration(**{k: ex.get(k, int, getattr(Exploration, k)) for k in counts},
+                          **{k: float(ex.get(k, (int, float), getattr(Exploration, k))) for k in reals})
     if (not 0 <= explore.epsilon <= 1 or explore.decay <= 0 or explore.max_cost_ratio < 1 or explore.min_samples < 0
             or explore.max_load <= 0):
         raise ex.error("needs 0 <= epsilon <= 1, decay > 0, max_cost_ratio >= 1, min_samples >= 0, max_load > 0")
-    forgetting = float(sec.get("forgetting", (int, float), 0.995))
+    forgetting = float(sec.get("forgetting", (int, float), LearnedPolicy.forgetting))
     if not 0.5 < forgetting <= 1:
         raise sec.error(f"must be in (0.5, 1], got {forgetting}", "forgetting")
-    contention = float(sec.get("contention", (int, float), 1.0))
+    contention = float(sec.get("contention", (int, float), LearnedPolicy.contention))
     if contention < 0:
         raise sec.error(f"must be >= 0, got {contention}", "contention")
     base = Path(source).parent

@@ -164,6 +164,6 @@ def _quality(sec: Section | None) -> QualityPolicy:
     return QualityPolicy(
         max_drop_pp=float(sec.get("max_drop_pp", (int, float), QualityPolicy.max_drop_pp)),
         max_ppl_increase_pct=float(sec.get("max_ppl_increase_pct", (int, float), QualityPolicy.max_ppl_increase_pct)),
-        require_gate=sec.get("require_gate", bool, False),
+        require_gate=sec.get("require_gate", bool, QualityPolicy.require_gate),
         families=tuple(parsed),
     )

@@ -19,15 +19,15 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..modes import NGRAM_MAX, NGRAM_MIN
 from .completed import Completed
 
 #: weight of each new observation in the running means (about the last ten of a kind)
 WEIGHT = 0.1
 #: the tail of the prompt whose trigram repetition is measured (bounds the cost of the feature)
 REPEAT_WINDOW = 256
-#: draft tokens per step the replay assumes until the server says what its speculative modes propose, and the
-#: n-gram sizes it matches (vLLM's ngram method as the vLLM backend configures it)
-REPLAY_K, NGRAM_MIN, NGRAM_MAX = 5, 2, 4
+#: draft tokens per step the replay assumes until the server says what its speculative modes propose
+REPLAY_K = 5
 
 
 def prompt_repeat(prompt_ids: Sequence[int]) -> float:

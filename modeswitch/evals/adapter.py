@@ -47,9 +47,10 @@ def scoring_mode(spec: ModeSpec) -> ModeSpec:
 class ModeSwitchLM(TemplateLM):
     backend = "causal"
 
-    def __init__(self, model: str = "demo", mode: str = "fp16", max_length: int = 2048, batch_size: int = 1,
-                 device: str = "auto", gptq: str | None = None, backend: str = "transformers",
-                 spec: ModeSpec | None = None, dtype: str = "auto", **kwargs) -> None:
+    def __init__(self, model: str = ServerConfig.model, mode: str = "fp16", max_length: int = 2048,
+                 batch_size: int = 1, device: str = LoadConfig.device, gptq: str | None = None,
+                 backend: str = "transformers", spec: ModeSpec | None = None, dtype: str = LoadConfig.dtype,
+                 **kwargs) -> None:
         """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own);
         ``backend`` is the engine family and ``dtype`` the reference dtype, as ``serve.py`` takes them."""
         super().__init__()

@@ -26,7 +26,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import BACKENDS, DTYPES
+from ..config import BACKENDS, DTYPES, LoadConfig, ServerConfig
 from ..controller.load import load_policy
 from ..controller.quality import QualityPolicy, change, judge, task_failure
 from ..modes import DEFAULT_MODES_DIR, load_modes
@@ -80,7 +80,8 @@ def mark(report: dict) -> None:
 
 
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
-             gptq: str | None = None, backend: str = "transformers", dtype: str = "auto", progress=print) -> dict:
+             gptq: str | None = None, backend: str = "transformers", dtype: str = LoadConfig.dtype,
+             progress=print) -> dict:
     from .adapter import ModeSwitchLM
 
     kinds = task_kinds(tasks)
@@ -191,14 +192,14 @@ def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m modeswitch.evals.gate", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo")
-    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+    ap.add_argument("--model", default=ServerConfig.model)
+    ap.add_argument("--backend", default=LoadConfig.backend, choices=BACKENDS,
                     help="the engine family to score on, as serve.py --backend (default auto: vLLM where installed)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     ap.add_argument("--modes-dir", action="append", default=None)
     ap.add_argument("--gptq", default=None, help="GPTQ checkpoint overriding the preset's")
-    ap.add_argument("--dtype", default="auto", choices=DTYPES,
+    ap.add_argument("--dtype", default=LoadConfig.dtype, choices=DTYPES,
                     help="the reference dtype, as serve.py --dtype (default auto: the device's native 16-bit type)")
     ap.add_argument("--out", default=str(REPORTS_DIR))
     ap.add_argument("--policy", default=None,

@@ -1,11 +1,11 @@
 """How sure a gate verdict is: a paired bootstrap over the documents both a mode and the reference scored.
 
 A gate row compares a mode's score with the reference's on the same documents, so what decides the verdict's
-uncertainty is how the two differ document by document, not each score's own standard error (lm-eval's, 1.7-3.5 pp
-at 100 documents on the demo's tasks, which ignores the pairing). The bootstrap draws documents with replacement,
-the same draw for both, recomputes each aggregate on it (the mean for accuracy-like metrics; ``exp(-sum
-log-likelihood / sum words)`` for the perplexities of rolling log-likelihood tasks) and takes the central
-:data:`CONFIDENCE` of the change (pp or %, as :func:`~modeswitch.controller.quality.change` measures it).
+uncertainty is how the two differ document by document, not each score's own standard error (lm-eval's, which
+ignores the pairing). The bootstrap draws documents with replacement, the same draw for both, recomputes each
+aggregate on it (the mean for accuracy-like metrics; ``exp(-sum log-likelihood / sum words)`` for the
+perplexities of rolling log-likelihood tasks) and takes the central :data:`CONFIDENCE` of the change (pp or %,
+as :func:`~modeswitch.controller.quality.change` measures it).
 
 A verdict is *uncertain* when its interval reaches both sides of the tolerance (:func:`uncertain`): at that many
 documents the data cannot tell a pass from a fail. (A half-width over the tolerance alone does not make it so: a

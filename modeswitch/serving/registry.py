@@ -115,7 +115,7 @@ class ModeState:
     def engine_health(self, down: str | None, restarting: bool) -> None:
         """What its engine reports (:meth:`Engine.watch`): down and why (restarting or not), or back up. Back up,
         it serves at once: the requests its dead engine failed quarantined it, and a fresh engine owes nothing
-        for them (five at once held a restarted mode out for 80 s)."""
+        for them (the requests failed together as it died would keep a restarted mode out of service)."""
         if down is None:
             self.status, self.reason = "available", ""
             self.consecutive_failures, self.quarantined_until = 0, 0.0

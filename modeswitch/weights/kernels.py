@@ -2,10 +2,10 @@
 
 * :class:`Int8WeightOnlyLinear` is gpt-fast's int8 weight-only recipe: int8 weights with one scale per output
   row, ``linear(x, w.to(x.dtype)) * scale``. Eagerly that is a dequantize then a matmul; under ``torch.compile``
-  Inductor fuses the conversion into the matmul's weight read, so a batch-1 decode step reads half the bytes of
-  fp16 (gpt-fast/torchao: 153 against 96 tok/s for Llama-3-8B on an A100). Plain PyTorch: nothing to install on
-  the GPU machine, unlike torchao's tensor subclasses (a wheel to carry) or bitsandbytes' LLM.int8 (eager
-  outlier decomposition: 17x slower than fp16 on an H200, and not installable there).
+  Inductor fuses the conversion into the matmul's weight read, so a batch-1 decode step, bound by reading the
+  weights, reads half the bytes of fp16 (as gpt-fast and torchao report). Plain PyTorch: nothing to install on
+  the GPU machine, unlike torchao's tensor subclasses (a wheel to carry) or bitsandbytes' LLM.int8 (a package
+  too, and its outlier decomposition runs eagerly, many times slower than fp16).
 * :class:`Int4Linear` holds 4-bit weights in PyTorch's own int4 "tinygemm" layout and multiplies with
   ``aten._weight_int4pack_mm`` (``_for_cpu`` on a CPU), the kernel torchao's int4 weight-only also uses.
   :func:`repack_gptq` builds it from a GPTQModel layer's packed codes, scales and zero points, so the quantized

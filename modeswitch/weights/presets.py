@@ -148,7 +148,7 @@ def prepare_in_subprocess(name: str, idle: bool = False) -> None:
 def prepare_demo_checkpoint(target: Path | None = None) -> Path:
     """Convert the demo GGUF into a plain HF checkpoint once; later calls return the cached directory.
 
-    transformers dequantizes GGUF on load (~15 s for 135M). ``save_pretrained`` refuses a model that still
+    transformers dequantizes GGUF at every load, which is slow. ``save_pretrained`` refuses a model that still
     carries the GGUF quantizer although its tensors are plain float, so the quantizer is dropped first.
     The directory is written under a temporary name and renamed, so an interrupted conversion never
     leaves a half-written checkpoint that later loads would trust.

@@ -5,19 +5,18 @@ The group size must divide every linear layer's input width: SmolLM2-135M has 57
 (group 128 quantizes, but transformers' CPU int4 kernel then refuses K=576 and vLLM's engine fails to start).
 
 Calibration: ``samples`` windows of ``seq_len`` tokens from the calibration split of the local corpus
-(:mod:`modeswitch.weights.corpus`). Measured on 2 CPU cores: 16 x 256 tokens take about 1 minute, 128 x 256
-about 5.5 minutes. The default is set by ``MODESWITCH_GPTQ_SAMPLES`` (64 if unset).
+(:mod:`modeswitch.weights.corpus`). Its time grows with the windows (minutes on a few CPU cores), so their
+number is set by ``MODESWITCH_GPTQ_SAMPLES`` (:data:`DEFAULT_SAMPLES` if unset).
 
 W8A8 (:func:`build_w8a8`): every decoder linear's weights as int8, symmetric, one scale per output channel
 (absolute maximum / 127), and activations quantized to int8 per token at run time, written in the
 compressed-tensors ``int-quantized`` format that vLLM serves with its int8 scaled-mm kernels (oneDNN on a CPU,
 on AVX2 too; CUTLASS on a GPU) and that RedHatAI's published w8a8 checkpoints use. ``lm_head`` (tied to the
-embeddings in the demo) stays in the reference precision. Before quantizing, SmoothQuant (:func:`smooth`, alpha
-0.5, calibrated on ``SMOOTHING_SAMPLES`` windows of the calibration split) moves the activations' outlier
-channels into the weights where a norm precedes the linears: on the demo (vLLM, the quality gate's 100
-documents a task against the bf16 reference) the plain W8A8 failed the gate on jargon_copy (-3.0 pp, perplexity
-+5.4 %); smoothed it passes (copy +0.0 pp, cloze +0.0 pp, perplexity +1.7 %). Folding a scale into down_proj
-through up_proj as well gained perplexity (+1.5 %) but lost 2 cloze points, so it is not done.
+embeddings in the demo) stays in the reference precision. Before quantizing, SmoothQuant (:func:`smooth`,
+``SMOOTHING_ALPHA``, calibrated on ``SMOOTHING_SAMPLES`` windows of the calibration split) moves the activations'
+outlier channels into the weights where a norm precedes the linears: the demo's plain W8A8 failed the quality
+gate on jargon_copy, and smoothed it passes (the gate's reports: evals/reports/). Folding a scale into down_proj
+through up_proj as well helped perplexity but cost cloze accuracy, so it is not done.
 """
 
 from __future__ import annotations
@@ -50,7 +49,8 @@ def publish(tmp: Path, out_dir: Path) -> None:
 def build_gptq(fp16_dir: Path, out_dir: Path, samples: int, seq_len: int = SEQ_LEN, group_size: int = GROUP_SIZE,
                progress=print) -> Path:
     """Quantize ``fp16_dir`` into ``out_dir`` (written atomically); returns ``out_dir``."""
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))  # 2-core machines need it set
+    # GPTQModel's own default is half the cores (one of two): calibrate on all of them
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 

@@ -2,7 +2,8 @@
 
 Modelled on gpt-fast: every forward pass has a fixed shape, so each compiles once and (on a GPU) is replayed
 as a CUDA graph instead of launching each layer's kernels from Python, which is what makes eager batch-1 decode
-launch-bound (STACK.md section 6: 33.7 ms/token eager against a ~3.5 ms HBM floor for an 8B model).
+launch-bound: launching the kernels one by one takes many times longer than reading the weights from memory, the
+floor of a decode step (docs/gpu.md, "The GPU decode path").
 
 * ``prefill``: the prompt in fixed chunks of ``chunk`` tokens (the last one padded), so prefill compiles once
   too; padded positions write garbage KV past the prompt, which the causal mask hides and the next step

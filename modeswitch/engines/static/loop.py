@@ -4,7 +4,7 @@ fp16, INT8 and GPTQ differ only in the model handed in (their linear layers; see
 ``prefix_store`` copies stored KV into the static cache and prefills only the new suffix; ``drafter`` turns decode
 steps into verify steps over proposed tokens. All of them run the same three compiled step shapes of a
 :class:`~modeswitch.engines.static.decoder.StaticDecoder`, so on a GPU every mode decodes from CUDA graphs, where
-``generate()`` runs prefix reuse, speculative decoding and INT8 eagerly (4-17x slower than fp16 on an H200).
+``generate()`` runs prefix reuse, speculative decoding and INT8 eagerly, launch-bound (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 After a request finishes, the cache covering its prompt and output is kept (LRU, bounded in tokens).
 A later prompt that starts with any stored sequence reuses that many positions of KV instead of
-recomputing them: the ``prefix_cache`` mode's whole benefit (time to first token 5x lower for a
-512-token shared prefix and a 32-token question on a CPU).
+recomputing them: the ``prefix_cache`` mode's whole benefit (the first token comes without prefilling the
+shared prefix again, most of the prompt where many requests share one).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A request's ``extra_args`` bound the tokens drafted for it a step (``DRAFT_TOKENS_KEY``; 0: none), so the
 speculative and plain modes on one set of weights share one engine: its weights, KV pool, prefix cache and batch.
 vLLM drafts for every request of an engine started with a speculative config; a second engine only to speculate
-held 1.5 GiB more on the demo model (its process, weights and KV pool), and on a GPU a second copy of the weights.
+would hold another process, KV pool and copy of the weights.
 
 A request that drafts nothing has every token sampled by vLLM's own sampler, as the step's "bonus" token, through
 every logits processor, as on a plain engine. So the engines ModeSwitch starts keep vLLM's ``min_p`` and

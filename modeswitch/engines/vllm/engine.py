@@ -82,8 +82,8 @@ def quiet_environment(cache_root: str) -> None:
     hub (the checkpoints are resolved before they start), and compiled kernels are reused across runs.
 
     vLLM 0.32 on a CPU saves its AOT-compiled model but cannot load it back ("'function' object has no
-    attribute 'finalize_loading'"), so every start compiled the model again (~40 s per engine on 2 cores);
-    without AOT compilation Inductor's own cache serves the second start (~10 s)."""
+    attribute 'finalize_loading'"), so every start compiled the model again; without AOT compilation
+    Inductor's own cache serves the second start."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache_root, "vllm"))
@@ -288,7 +288,7 @@ class VllmRunner:
     def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
         """Hand ``req`` to the engine now, on the caller's thread, as vLLM's own asyncio front end does. Were it
         queued for the driver thread instead, it would wait out the step the driver is blocked on, and reach
-        vLLM's scheduler a step later than on vLLM's own server (one ~100 ms step of TTFT on the 2-core demo)."""
+        vLLM's scheduler a step later than on vLLM's own server (a whole step added to its time to first token)."""
         # vLLM caches a prompt's full blocks when it schedules them (``KVCacheManager.allocate_slots``), and a
         # request scheduled later, in the same step or after, reuses them: recorded now, not at finish, and
         # first, a prompt's prefix counts for requests that arrive while it is still being added or served

@@ -5,17 +5,17 @@ torch.distributed.
 It runs an engine's worker inside the engine-core process, bound to the CPUs ModeSwitch chose for that engine
 (``ONE_PROCESS_KEY`` and ``CPUS_KEY`` in the engine's ``additional_config``). vLLM's CPU platform always runs
 a worker process beside the engine core (its "mp" executor, so that OpenMP can be set up from the environment
-before the worker imports torch); that second process costs ~0.6 GB (another copy of vLLM, torch and their
-Python heap) per engine: 3 GB of the 12 GB the 5 demo engines held. One process per engine ("uni", vLLM's
-executor for a single GPU) with the computing thread bound and torch's thread count set from the engine's CPUs
-served 4 concurrent 64-token streams in 2.5 s where the two processes took 3.0 s (demo model, bf16, 2 cores).
+before the worker imports torch); that second process holds another copy of vLLM, torch and their Python heap
+per engine, a large share of what a small model's engines hold, and every step crosses between the two. One
+process per engine ("uni", vLLM's executor for a single GPU), with the computing thread bound and torch's thread
+count set from the engine's CPUs, holds that memory once and serves faster.
 
 It also gives all of a process's gloo groups one gloo device. vLLM's CPU worker sets up 13 torch.distributed gloo
 groups even for a single process, and torch gives each group a TCP device of its own, whose event-loop thread
-(``gloo_tcp_loop``) wakes every 10 ms: 1.6 % of a core per idle engine, all the CPU an idle resident mode
-costs, and 6-7 % for the four engines of the 8 modes. Gloo keeps its connections per group (context), not per
-device, so one device serves every group, with one loop thread. torch's ``new_group`` ignores gloo options, so
-the only place to pass the device is the ``ProcessGroupGloo`` that ``torch.distributed`` constructs.
+(``gloo_tcp_loop``) wakes every 10 ms: those threads' polling is all the CPU an idle engine costs. Gloo keeps
+its connections per group (context), not per device, so one device serves every group, with one loop thread.
+torch's ``new_group`` ignores gloo options, so the only place to pass the device is the ``ProcessGroupGloo`` that
+``torch.distributed`` constructs.
 
 Only in engines ModeSwitch starts (``VllmBackend`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group).
