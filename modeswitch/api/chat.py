@@ -10,6 +10,7 @@ from . import tools
 from .context import ctx
 from .errors import ApiError
 from .generation import admitted, decoding, json_logprob, limit_tokens, respond, start_all, validated
+from .hermes import Piece, ToolCallStream
 from .schemas import ChatBody
 
 bp = Blueprint("chat", __name__)
@@ -40,49 +41,61 @@ def _chat_completions():
 
 
 class _Shape:
-    """Chat choices: a message (content, or tool calls), logprobs in the chat shape. A choice that may become tool
-    calls is held back while streamed and sent whole at its end (its text must be complete to parse)."""
+    """Chat choices: a message (content, or tool calls), logprobs in the chat shape. Streamed, an ``auto`` choice
+    sends its content and calls as they are written, each choice read by its own :class:`ToolCallStream`; a
+    forced call is held back and sent whole at the choice's end (its text must be complete to parse)."""
 
     def __init__(self, req: ChatBody) -> None:
         self.req = req
-        self.calls = req.chosen_tools != "none"
+        self.forced = req.chosen_tools not in ("none", "auto")
+        self._answers: dict[int, ToolCallStream] = {}  # each auto choice's, by index
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
         return chat_logprobs(lps) if self.req.logprobs else None
 
-    def _answer(self, text: str) -> tuple[dict, str | None]:
-        """The message's fields and the finish reason tool calls set (None: the generation's own)."""
-        if not self.calls:
-            return {"content": text}, None
-        content, calls = tools.parse(self.req, text)
-        if not calls:
-            return {"content": content}, None
-        # as OpenAI answers: a named function's call finishes with "stop", a call the model chose with "tool_calls"
-        return {"content": content, "tool_calls": calls}, "tool_calls" if self.req.chosen_tools in ("auto", "required") \
-            else "stop"
+    def _finish(self, gen, calls: list[dict]) -> str | None:
+        """The finish reason tool calls set (None: the generation's own). As OpenAI answers: calls the model chose
+        finish with "tool_calls"; a named function's call keeps the generation's "stop", and an answer cut by
+        max_tokens keeps "length" (its last call's arguments may be cut)."""
+        chosen = calls and self.req.chosen_tools in ("auto", "required") and gen.finish_reason == "stop"
+        return "tool_calls" if chosen else None
 
     def choice(self, i, gen, text, lps) -> dict:
-        fields, finish = self._answer(text)
-        out = {"index": i, "message": {"role": "assistant", **fields}, "logprobs": self._logprobs(lps)}
+        content, calls = tools.parse(self.req, text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        out = {"index": i, "message": message, "logprobs": self._logprobs(lps)}
+        finish = self._finish(gen, calls)
         if finish:
             out["finish_reason"] = finish
         return out
 
     def head(self, i) -> dict:
+        if self.req.chosen_tools == "auto":
+            self._answers[i] = tools.auto_calls(self.req)
         return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
 
     def delta(self, i, gen, text, lps) -> dict | None:
-        if self.calls:
+        if self.forced:
             return None
-        return {"delta": {"content": text}, "logprobs": self._logprobs(lps)}
+        answer = self._answers.get(i)
+        piece = answer.feed(text) if answer else Piece(text)
+        if answer and not (piece or lps):
+            return None
+        return {"delta": piece.delta(), "logprobs": self._logprobs(lps)}
 
     def tail(self, i, gen) -> dict:
-        if not self.calls:
-            return {"delta": {}}
-        fields, finish = self._answer(gen.text)
-        if "tool_calls" in fields:
-            fields["tool_calls"] = [{"index": j, **call} for j, call in enumerate(fields["tool_calls"])]
-        out: dict = {"delta": {k: v for k, v in fields.items() if v is not None}}
+        answer = self._answers.get(i)
+        if answer:
+            piece, calls = answer.finish(), answer.calls
+        elif self.forced:
+            content, calls = tools.parse(self.req, gen.text)
+            piece = Piece(content or "", [{"index": j, **call} for j, call in enumerate(calls)])
+        else:
+            piece, calls = Piece(), []
+        out: dict = {"delta": piece.delta() if piece else {}}
+        finish = self._finish(gen, calls)
         if finish:
             out["finish_reason"] = finish
         return out

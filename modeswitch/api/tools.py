@@ -7,19 +7,17 @@
   functions' ``parameters`` (as vLLM does: a list of ``{"name", "parameters"}`` objects, or the named function's
   arguments), so a forced call always has valid arguments, whatever the model.
 * ``auto``: the model answers freely, and ``<tool_call>`` blocks in its answer become tool calls (the Hermes
-  format, which the prompt above asks for); ``none``: the tools are shown, the answer is text.
+  format, which the prompt above asks for), read as they come (:mod:`.hermes`), so that a stream sends them as
+  they are written; ``none``: the tools are shown, the answer is text.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 
 from ..engines.base import Constraint
+from .hermes import ToolCallStream, call_id
 from .schemas import ChatBody
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 HERMES_PROMPT = (
     "You are a function calling AI model. You may call one or more functions to assist with the user query. "
@@ -89,8 +87,13 @@ def constraint(req: ChatBody) -> Constraint | None:
     return Constraint("json", json.dumps(calls))
 
 
+def auto_calls(req: ChatBody) -> ToolCallStream:
+    """A reader of one ``auto`` answer's content and calls."""
+    return ToolCallStream({t.function.name for t in req.tools}, req.parallel_tool_calls)
+
+
 def _call(name: str, arguments) -> dict:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
@@ -100,19 +103,10 @@ def parse(req: ChatBody, text: str) -> tuple[str | None, list[dict]]:
     if choice == "none":
         return text, []
     if choice == "auto":
-        names = {t.function.name for t in req.tools}
-        calls = []
-        for block in _CALL.findall(text):
-            try:
-                call = json.loads(block)
-            except ValueError:
-                continue
-            if isinstance(call, dict) and call.get("name") in names:
-                calls.append(_call(call["name"], call.get("arguments", {})))
-        if not req.parallel_tool_calls:
-            calls = calls[:1]
-        content = _CALL.sub("", text).strip() if calls else text
-        return content or None, calls
+        answer = auto_calls(req)
+        answer.feed(text)
+        answer.finish()
+        return answer.content or None, answer.calls
     try:
         parsed = json.loads(text)
     except ValueError:  # cut short by max_tokens: no call to report

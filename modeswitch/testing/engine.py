@@ -18,6 +18,10 @@ class Script:
     """How a fake mode behaves. The text it generates is a function of the prompt alone (the same in every
     mode, as greedy output of real modes is), so tests can compare modes."""
 
+    #: the answer to every request, its UTF-8 bytes as tokens (the fake tokenizer's), ending ("stop") as a model
+    #: ends its answer, unless max_tokens cuts it ("length"); None: scripted letters up to max_tokens
+    reply: str | None = None
+
     #: seconds before the first token, and between tokens
     ttft_s: float = 0.0
     token_s: float = 0.0
@@ -115,7 +119,11 @@ class FakeEngine(Engine):
             self._score(req)
             return
         context = list(req.prompt_ids)
+        reply = None if script.reply is None else script.reply.encode()
         for i in range(req.params.max_tokens):
+            if reply is not None and i == len(reply):
+                req.emit("done", finish_reason="stop", cached_tokens=cached)
+                return
             if req.cancelled.is_set():
                 req.emit("done", finish_reason="cancelled", cached_tokens=cached)
                 return
@@ -124,7 +132,7 @@ class FakeEngine(Engine):
             if i == script.fail_after and not warm_up:
                 req.emit("error", error="RuntimeError: injected fault after tokens")
                 return
-            token = next_token(context)
+            token = next_token(context) if reply is None else reply[i]
             context.append(token)
             if req.params.logprobs is not None:  # the scripted token is the likeliest, at -1; then 97, 98, ...
                 ranked = [token] + [t for t in range(97, 123) if t != token]
