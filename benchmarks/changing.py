@@ -13,9 +13,11 @@ whole sequence runs ``--rounds`` times, so drift over the run shows as spread in
 
 Static configurations of vLLM's server, in the reference dtype: plain; n-gram speculation (k=5, as vLLM's
 docs show it); n-gram with vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``: fewer draft
-tokens as the batch grows). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's W8A8 checkpoint with n-gram
-speculation: the static configuration of ModeSwitch's fastest mode, to tell the controller's part from the
-weights'.
+tokens as the batch grows); n-gram with vLLM's OpenMP threads on every core; and on a machine of 2+ cores one
+n-gram server per core, each computing on its own, the requests sent to them in turn (round robin: what a user
+with one vLLM flag and a load balancer gets from every core). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's
+W8A8 checkpoint with n-gram speculation (alone and one per core): the static configuration of ModeSwitch's int8
+modes, to tell the controller's part from the weights'.
 
 ``--pinned`` measures the controller's own worth: after each of a ModeSwitch server's own traces, the same
 server (started once, its engines warm and measured) runs a trace of the same shape with every request pinned
@@ -65,9 +67,15 @@ def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
                       vllm_flags=["--speculative-config", json.dumps(SCHEDULE)]),
                Server(f"vLLM {REFERENCE_DTYPE} + n-gram k=5, OMP on every core", env={"VLLM_CPU_OMP_THREADS_BIND": every_core()},
                       vllm_flags=["--speculative-config", json.dumps(NGRAM)])]
+    if len(os.sched_getaffinity(0)) > 1:
+        servers.append(Server(f"vLLM {REFERENCE_DTYPE} + n-gram k=5, one per core, round robin", per_core=True,
+                              vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
     if w8a8_peer:
         servers.append(Server("vLLM W8A8 + n-gram k=5", checkpoint=checkpoint,
                               vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
+        if len(os.sched_getaffinity(0)) > 1:
+            servers.append(Server("vLLM W8A8 + n-gram k=5, one per core, round robin", checkpoint=checkpoint,
+                                  per_core=True, vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
     return servers
 
 
@@ -77,7 +85,7 @@ def run_trace(server: Server, tokenizer, run: int, mode: str | None = None) -> l
     records = []
     for phase in phases(tokenizer, run):
         t0 = time.perf_counter()
-        got = send(server.url, list(phase.slots), mode=mode, concurrency=phase.concurrency)
+        got = send(server.urls, list(phase.slots), mode=mode, concurrency=phase.concurrency)
         wall = time.perf_counter() - t0
         for r in got:
             r.update(phase=phase.name, phase_wall_s=wall, run=run)

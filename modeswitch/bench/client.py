@@ -64,12 +64,15 @@ def stream_completion(url: str, prompt, max_tokens: int, mode: str | None = None
     }
 
 
-def send(url: str, slots: list[Slot], mode: str | None = None, concurrency: int = 1,
+def send(url: str | list[str], slots: list[Slot], mode: str | None = None, concurrency: int = 1,
          progress: Callable[[], None] | None = None) -> list[dict[str, Any]]:
     """Send a trace: closed loop with ``concurrency`` workers (slots without arrival times), or open loop at
-    each slot's arrival time. Records come back in slot order, each tagged with its slot and workload."""
+    each slot's arrival time; to several servers (a list of URLs) in turn, by slot. Records come back in slot
+    order, each tagged with its slot and workload."""
+    urls = [url] if isinstance(url, str) else url
+
     def one(slot: Slot) -> dict[str, Any]:
-        record = stream_completion(url, slot.prompt_ids, slot.max_tokens, mode)
+        record = stream_completion(urls[slot.index % len(urls)], slot.prompt_ids, slot.max_tokens, mode)
         record.update(slot=slot.index, workload=slot.workload, prompt_tokens=len(slot.prompt_ids),
                       max_tokens=slot.max_tokens, sent_at=slot.at)
         record.pop("text", None)

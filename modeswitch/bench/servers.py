@@ -95,14 +95,27 @@ class Server:
     served: dict[str, int] = field(default_factory=dict)
     #: the checkpoint vLLM's own server loads instead of the reference weights (e.g. a W8A8 one)
     checkpoint: str | None = None
+    #: vLLM's own server only: one server per CPU core, each computing on its core, the requests sent to them in
+    #: turn (round robin; ``urls``)
+    per_core: bool = False
+    #: the other servers of a ``per_core`` row (the first is ``proc`` / ``url``)
+    others: list[tuple[subprocess.Popen, str]] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        """Where requests go, in turn."""
+        return [self.url, *(url for _, url in self.others)]
 
     def start(self, model_dir: str, model: str, log_dir: Path) -> None:
         if self.proc is not None or self.url:  # running, or ran already
             return
         print(f"starting {self.label} ...", flush=True)
         if self.flags is None:
-            self.proc, self.url, self.start_s = start_vllm(self.checkpoint or model_dir, model, log_dir, self.env,
-                                                           self.vllm_flags)
+            cores = sorted(os.sched_getaffinity(0)) if self.per_core else [None]
+            started = [start_vllm(self.checkpoint or model_dir, model, log_dir,
+                                  {**self.env, **({"VLLM_CPU_OMP_THREADS_BIND": str(core)} if core is not None else {})},
+                                  self.vllm_flags) for core in cores]
+            (self.proc, self.url, self.start_s), self.others = started[0], [(p, u) for p, u, _ in started[1:]]
         else:
             t0 = time.perf_counter()
             self.proc, self.url, _ = start_server(log_dir, "--model", model, *shlex.split(self.flags), wait_s=900,
@@ -124,5 +137,6 @@ class Server:
             else:
                 self.served = {c["name"]: c["stats"]["requests"] for c in cards if c.get("stats", {}).get("requests")}
                 print(f"  {self.label}: requests by mode: {self.served}", flush=True)
-        stop(self.proc)
-        self.proc = None
+        for proc in [self.proc, *(p for p, _ in self.others)]:
+            stop(proc)
+        self.proc, self.others = None, []

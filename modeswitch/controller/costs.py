@@ -5,8 +5,9 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
 - ``prefill``: seconds to the first token against the prompt tokens computed before it: its own (the prompt
   less what the mode's prefix cache holds) and those of the requests on the lane still waiting for their first
   token (a burst's prompts are computed one after another, and the last one waits for them all);
-- ``step``: seconds per target step against the requests running on the engine's *lane* (the cores or device
-  its model computes on, shared with any engine on the same lane), this request included.
+- ``step``: seconds per target step against the requests running on the engine, this request included,
+  measured while no other engine computes on its *lane* (the cores or device it computes on; lanes overlap
+  where they share a core, and an engine pinned nowhere shares every core).
 
 Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
 pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
@@ -14,16 +15,18 @@ the size, each a decaying mean of (size, seconds) so that a bucket follows a mac
 curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
 two buckets' slope after the last): nothing in a prediction is a constant that this machine did not measure.
 
-A request ``r`` on mode ``m`` of engine ``e`` whose lane runs ``b`` requests, ``q`` prompt tokens of them not
-computed yet, is predicted to take
+A request ``r`` on mode ``m`` of engine ``e`` running ``n`` requests, on a lane running ``b`` requests (``e``'s
+and other engines'), ``q`` prompt tokens of them not computed yet, is predicted to take
 
-    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + (max_tokens - 1) x step_e(b + 1) / tokens_per_step(m, r)
-    delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q) + steps(r) x (step_e(b + 1) - step_e(b)))
+    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + steps(r) x (step_e(n + 1) + beside_e)
+    delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q) + steps(r) x (step_e(n + 1) - step_e(n)))
 
-where ``tokens_per_step`` is 1 for a plain mode and the drafting acceptance learned for this kind of request
-(:mod:`.speculation`) for a speculative one, ``wait_e`` counts the requests queued beyond the engine's batch,
-and ``delay`` is what ``r`` costs the requests already on the lane (its prompt's share of the prefill they
-wait behind or stall for, and the growth of every step they share with it; ``prefill_e(0)`` is 0). A mode whose stream has not measured a
+where ``steps(r)`` is ``(max_tokens - 1) / tokens_per_step(m, r)``: ``tokens_per_step`` is 1 for a plain mode
+and the drafting acceptance learned for this kind of request (:mod:`.speculation`) for a speculative one;
+``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
+``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
+already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
+step they share with it; ``prefill_e(0)`` and ``step_e(0)`` are 0). A mode whose stream has not measured a
 curve yet predicts nothing (``None``): it is never compared on a guess, so one mode's unmeasured prior cannot
 mask another's measured cost.
 
@@ -186,7 +189,8 @@ class Binding:
 
     #: mode -> its stream (its engine's name; a drafting mode's requests apart: "<engine> drafting")
     streams: Mapping[str, str]
-    #: mode -> the lane its engine computes on (modes on one lane share its compute)
+    #: mode -> the lane its engine computes on: its CPUs ("0,1"), or "" where it is not pinned (every CPU; a GPU's
+    #: engines all share the device). Engines on lanes that overlap share their compute.
     lanes: Mapping[str, str]
     #: mode -> its engine (modes on one engine share its batch and queue)
     engines: Mapping[str, str]
@@ -208,6 +212,7 @@ class CostModel:
         """``path``: the JSON file the measurements are kept in across restarts (None: not kept)."""
         self.path = Path(path) if path is not None else None
         self.binding = Binding({}, {}, {}, {})
+        self._derive(self.binding)
         self._streams: dict[str, StreamCosts] = {}
         self._keys: dict[str, str] = {}  # stream -> the key its curves are kept under
         self._stale: set[str] = set()  # streams whose engine changed since their curves were measured
@@ -225,6 +230,7 @@ class CostModel:
         at all. Curves left behind are kept under their old key."""
         with self._lock:
             self.binding = binding
+            self._derive(binding)
             keys = binding.keys or {}
             for stream in set(binding.streams.values()):
                 key = keys.get(stream, "")
@@ -245,6 +251,19 @@ class CostModel:
                     self._streams[stream] = fresh or StreamCosts.empty()
                     self._stale.discard(stream)
                 self._keys[stream] = key
+
+    def _derive(self, binding: Binding) -> None:
+        """What a prediction reads of the binding, worked out once: per lane the lanes overlapping it (itself
+        included), and per engine its lane and the stream whose step curve is its own (a plain one where it has
+        one)."""
+        cpus = {lane: set(lane.split(",")) if lane else None for lane in set(binding.lanes.values()) | {""}}
+        self._near = {lane: tuple(o for o, c in cpus.items() if mine is None or c is None or mine & c)
+                      for lane, mine in cpus.items()}
+        self._engine_lane, self._engine_stream = {}, {}
+        for mode, engine in binding.engines.items():
+            self._engine_lane[engine] = binding.lanes.get(mode, "")
+            if engine not in self._engine_stream or mode not in binding.drafting:
+                self._engine_stream[engine] = binding.streams.get(mode, engine)
 
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
@@ -310,34 +329,41 @@ class CostModel:
         with self._lock:
             costs.service.add(0.0, seconds)
 
-    def lane_load(self, mode: str, in_flight_by_mode: Mapping[str, int]) -> int:
-        """Requests in flight on the lane ``mode``'s engine computes on."""
+    def lane_load(self, mode: str, by_mode: Mapping[str, int]) -> int:
+        """The sum of ``by_mode`` (requests in flight, or prompt tokens not computed yet) over the modes whose
+        engines compute on a lane overlapping ``mode``'s."""
         lanes = self.binding.lanes
-        lane = lanes.get(mode, "")
-        return sum(n for m, n in in_flight_by_mode.items() if lanes.get(m, "") == lane)
+        near = self._near.get(lanes.get(mode, ""), ("",))
+        return sum(n for m, n in by_mode.items() if lanes.get(m, "") in near)
 
-    def lane_prefilling(self, mode: str, prefilling_by_mode: Mapping[str, int]) -> int:
-        """Prompt tokens not computed yet by the requests on the lane ``mode``'s engine computes on."""
-        lanes = self.binding.lanes
-        lane = lanes.get(mode, "")
-        return sum(n for m, n in prefilling_by_mode.items() if lanes.get(m, "") == lane)
+    def engine_load(self, mode: str, in_flight_by_mode: Mapping[str, int]) -> tuple[int, int]:
+        """Requests in flight on ``mode``'s engine, and on the other engines sharing its lane."""
+        engines, lanes = self.binding.engines, self.binding.lanes
+        engine, near = engines.get(mode, mode), self._near.get(lanes.get(mode, ""), ("",))
+        own = others = 0
+        for m, n in in_flight_by_mode.items():
+            if engines.get(m, m) == engine:
+                own += n
+            elif lanes.get(m, "") in near:
+                others += n
+        return own, others
 
     def observe(self, completed: Completed) -> None:
         """Correct the served stream's curves from a finished request: its time to first token against the
         prompt tokens computed before it (its own and those it waited behind), its time per target step against
-        the lane load it met, its whole time."""
+        the requests on its engine it met (only where no other engine was computing on its lane: a step shared
+        with another engine's is not this engine's cost), its whole time."""
         b = self.binding
         stream = b.streams.get(completed.mode)
         if (stream is None or completed.outcome != "ok" or completed.retried or completed.scoring
                 or completed.ttft_s is None):
             return
         f = completed.features
-        load = self.lane_load(completed.mode, f.in_flight_by_mode) + 1  # as decided: this request joining
+        own, others = self.engine_load(completed.mode, f.in_flight_by_mode)
         unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
-        self.add_prefill(stream, self.lane_prefilling(completed.mode, f.prefilling_by_mode) + unmatched,
-                         completed.ttft_s)
+        self.add_prefill(stream, self.lane_load(completed.mode, f.prefilling_by_mode) + unmatched, completed.ttft_s)
         self.add_service(stream, completed.latency_s)
-        if completed.tpot_s is None:
+        if completed.tpot_s is None or others:
             return
         seconds = completed.tpot_s
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
@@ -345,7 +371,7 @@ class CostModel:
             if per_step is None:
                 return
             seconds *= per_step
-        self.add_step(stream, load, seconds)
+        self.add_step(stream, own + 1, seconds)  # as decided: this request joining
 
     # ------------------------------------------------------------------ predicting
     def predict(self, mode: str, features: Features, tokens_per_step: float = 1.0) -> Prediction | None:
@@ -357,7 +383,7 @@ class CostModel:
         """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
         (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
         b = self.binding
-        lanes, engines, streams = b.lanes, b.engines, self._streams
+        lanes, engines, streams, near = b.lanes, b.engines, self._streams, self._near
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
         for m, n in features.in_flight_by_mode.items():
@@ -370,6 +396,16 @@ class CostModel:
             if n:
                 lane = lanes.get(m, "")
                 queued[lane] = queued.get(lane, 0) + n
+
+        def beside(engine: str, lane: str) -> float:
+            """Seconds a step of ``engine`` waits for the other busy engines on its lane: one step each (engines
+            sharing cores take turns; an engine not measured yet is counted at nothing)."""
+            total = 0.0
+            for other, n in on_engine.items():
+                if other != engine and self._engine_lane.get(other, "") in near.get(lane, ("",)):
+                    curve = streams.get(self._engine_stream.get(other, other))
+                    total += (curve.step.at(n) or 0.0) if curve is not None else 0.0
+            return total
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
         # on one vLLM engine): computed once
@@ -388,18 +424,23 @@ class CostModel:
             if costs is None or not costs.measured:
                 return None
             step_at, prefill_at = costs.step.at, costs.prefill.at
-            lane = lanes.get(mode, "")
-            lane_load, ahead = on_lane.get(lane, 0), queued.get(lane, 0)
-            step = step_at(lane_load + 1)
+            lane, engine = lanes.get(mode, ""), engines.get(mode, mode)
+            close = near.get(lane, ("",))
+            lane_load = sum(on_lane.get(l, 0) for l in close)
+            ahead = sum(queued.get(l, 0) for l in close)
+            mine = on_engine.get(engine, 0)
+            own_step = step_at(mine + 1)
+            step = own_step + (beside(engine, lane) if lane_load > mine else 0.0)
             prefill = prefill_at(ahead + unmatched)
             steps = (max_tokens - 1) / tokens_per_step if mode in b.drafting and tokens_per_step > 1 else max_tokens - 1
             decode = steps * step
             slots = b.slots.get(mode, 1) or 1
-            waiting = on_engine.get(engines.get(mode, mode), 0) + 1 - slots
+            waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
-            if lane_load:
+            if lane_load:  # its prompt stalls every request there; each of its steps lengthens theirs
                 own_prefill = prefill - prefill_at(ahead) if ahead else prefill
-                delay = lane_load * (max(own_prefill, 0.0) + steps * max(step - step_at(lane_load), 0.0))
+                growth = own_step - step_at(mine) if mine else own_step
+                delay = lane_load * (max(own_prefill, 0.0) + steps * max(growth, 0.0))
             else:
                 delay = 0.0
             return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
@@ -446,7 +487,7 @@ class CostModel:
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read
-CURVES_VERSION = 2
+CURVES_VERSION = 3
 
 
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:

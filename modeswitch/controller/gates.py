@@ -72,7 +72,10 @@ class CapabilityGate:
         self._verdicts: dict[frozenset[str], Verdict] = {}
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        missing = frozenset(cycle.features.needs) - mode.capabilities
+        needs = cycle.features.needs
+        if not needs:  # most requests set no option a mode may lack
+            return None
+        missing = frozenset(needs) - mode.capabilities
         if not missing:
             return None
         if missing not in self._verdicts:  # a handful of distinct sets: built once each

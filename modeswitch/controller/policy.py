@@ -38,7 +38,7 @@ class EnergyPolicy:
         """The tightest cap for ``mode`` (with ``extra``, a request's own cap) and where it comes from, or
         None when uncapped."""
         caps = []
-        per_mode = dict(self.modes).get(mode)
+        per_mode = next((cap for name, cap in self.modes if name == mode), None)
         if per_mode is not None:
             caps.append((per_mode, f"energy.modes.{mode}"))
         elif self.max_j_per_token is not None:

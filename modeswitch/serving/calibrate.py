@@ -185,7 +185,7 @@ class Calibration:
         slots = max(state.batch_slots, 1)
         for load in (n for n in LOADS if n <= min(slots, state.max_queue)):
             timed = _run(state, [self._prompt(32, repeat=drafting) for _ in range(load)], TOKENS)
-            lane = self.costs.lane_load(state.name, {n: m.in_flight for n, m in self.registry.modes.items()})
+            joined, _ = self.costs.engine_load(state.name, {n: m.in_flight for n, m in self.registry.modes.items()})
             per_step = []
             for t in timed:
                 if t.error or t.first is None or t.done is None or t.tokens < 2:
@@ -199,7 +199,7 @@ class Calibration:
                 per_step.append(seconds)
             if not per_step:
                 raise RuntimeError(f"no timed step at load {load}")
-            fresh.step.add(load + lane, statistics.median(per_step))
+            fresh.step.add(load + joined, statistics.median(per_step))
         return fresh
 
     def _report(self, stream: str, state: ModeState) -> None:

@@ -75,6 +75,9 @@ def test_runs_against_the_server_the_oracle_and_the_report(server, source, tmp_p
     for i, mode in enumerate(["fp16", "prefix_cache"]):
         runs[f"mode:{mode}"] = send(server.url, trace(source, shapes, 4, run=10 + i), mode)
     runs["paper"] = send(server.url, arrivals(trace(source, shapes, 4, run=12), "poisson", rate=20.0))
+    # several servers take the slots in turn (round robin): here the second refuses every connection
+    turns = send([server.url, "http://127.0.0.1:9"], trace(source, shapes, 4, run=13))
+    assert [r["ok"] for r in turns] == [True, False, True, False]
     for records in runs.values():
         assert [r["slot"] for r in records] == [0, 1, 2, 3] and all(r["ok"] for r in records)
         assert all(1 <= r["tokens"] <= 4 and r["ttft_s"] <= r["latency_s"] and r["energy_j"] > 0 for r in records)

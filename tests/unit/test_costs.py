@@ -74,6 +74,31 @@ def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     assert costs.stream("b").prefill.samples(400) == 2 and costs.stream("b").prefill.samples(100) == 1
 
 
+def test_engines_sharing_a_lane_take_turns_and_an_unpinned_engine_shares_every_lane():
+    """Two engines pinned to one core (``a``, ``b``) and one pinned nowhere (``u``): a request on ``a`` while ``b``
+    runs 2 waits one step of ``b`` each step, and lengthens every step of the 2 by its own; ``u`` shares both
+    cores, so ``c``'s load (core 1) is its neighbour too; a finished request that shared its lane with another busy
+    engine does not teach its engine's step curve."""
+    costs = CostModel()
+    costs.bind(Binding(streams={m: m for m in "abcu"}, lanes={"a": "0", "b": "0", "c": "1", "u": ""},
+                       engines={m: m for m in "abcu"}, slots={m: 8 for m in "abcu"}))
+    for m, step in (("a", 0.01), ("b", 0.03), ("c", 0.02), ("u", 0.05)):
+        costs.add_prefill(m, 10, 0.0)
+        costs.add_step(m, 1, step)
+        costs.add_step(m, 2, 2 * step)
+    shared = costs.predict("a", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"b": 2}))
+    assert shared.decode_s == pytest.approx(10 * (0.01 + 0.06)) and shared.delay_s == pytest.approx(2 * 10 * 0.01)
+    assert costs.predict("c", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"b": 2})).total == \
+        pytest.approx(10 * 0.02)  # another core's engines are not its own
+    unpinned = costs.predict("u", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"c": 1}))
+    assert unpinned.decode_s == pytest.approx(10 * (0.05 + 0.02)) and unpinned.delay_s == pytest.approx(10 * 0.05)
+    assert costs.lane_load("u", {"a": 1, "c": 2}) == 3 and costs.lane_load("a", {"c": 2}) == 0
+    before = costs.stream("a").step.dump()
+    costs.observe(Completed("a", feats(prompt_tokens=10, in_flight_by_mode={"b": 1}), "ok", 0.1, 0.5, 1.0, 10, 5,
+                            1.0, "estimated", False, False))
+    assert costs.stream("a").step.dump() == before and costs.stream("a").prefill.samples(10) == 2
+
+
 def test_a_prefix_cache_hit_drafting_and_a_full_batch_enter_the_prediction():
     costs = CostModel()
     costs.bind(Binding(streams={"pc": "e", "spec": "e drafting"}, lanes={}, engines={"pc": "e", "spec": "e"},
