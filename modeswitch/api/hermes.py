@@ -7,10 +7,13 @@ whitespace, which is dropped where it touches a call. The whole answer is read t
 feeds it at once), so a stream adds up to the non-streamed message of the same answer. Decisions are final once
 sent, which sets these rules:
 
-* A block is a call from the moment its ``name`` is read and names an offered function (before that it is
-  held); its arguments (``{}`` when it has none) go out as they come, written as ``json.dumps`` writes them
-  (:mod:`.jsonstream`). If its JSON breaks off (``max_tokens``, or text that is not JSON) the arguments stop
-  where it broke; the rest of the block, to ``</tool_call>``, is not content.
+* A block's JSON is read again whole as each piece of it comes, by ``partial_json_parser`` (as vLLM's tool
+  parsers read a call being written), which completes it with the closers it lacks.
+* A block is a call from the moment its ``name`` is complete and names an offered function (before that it is
+  held). Its arguments (``{}`` when it has none) go out as ``json.dumps`` writes them, each part once it can no
+  longer change: the closers the parser added are held back, and a number or literal counts only once what
+  follows ends it. If its JSON breaks off (``max_tokens``, or text that is not JSON) the arguments stop at what
+  was certain; the rest of the block, to ``</tool_call>``, is not content.
 * A block that is not a call (not JSON before its name, no name, a function not offered, unfinished) is content,
   as written. So is everything outside the blocks; whitespace next to a call is dropped, except between two
   pieces of content, where it stays.
@@ -22,10 +25,17 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from string import ascii_letters, digits
 
-from .jsonstream import WHITESPACE, JsonValue
+from partial_json_parser import Allow, fix
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+JSON_SPACE = " \t\n\r"
+#: what may be read unfinished: strings and containers. A number or literal is read once complete, since its
+#: text may still change (``1`` may become ``1.5``; ``0.00001`` is written ``1e-05``)
+PARTIAL = Allow.STR | Allow.COLLECTION
+_DECODER = json.JSONDecoder()
+_ATOM = ascii_letters + digits + ".+-\\"  # what may go on writing a number, literal or escape
 
 
 def call_id() -> str:
@@ -51,110 +61,72 @@ class Piece:
         return out
 
 
+def _partial(text: str) -> tuple[dict, str] | None:
+    """An unfinished JSON object as ``partial_json_parser`` completes it, and the closers it added; None when
+    the text is not the start of one."""
+    try:
+        head, tail = fix(text, PARTIAL)
+        value = json.loads(head + tail)
+    except ValueError:
+        return None
+    return (value, tail) if isinstance(value, dict) else None
+
+
 class _Block:
-    """The JSON object of one block read a character at a time: its name once complete, its arguments as they
-    come. ``raw``: the block's text read so far, content again if it is not a call."""
+    """The JSON object of one block, as far as it has come. ``text``: the block's text after ``<tool_call>``."""
 
     def __init__(self) -> None:
-        self.raw = OPEN
-        self.name: str | None = None
-        self.arguments = ""  # written, not yet taken
-        self.has_arguments = False
-        self.done = False  # the object is complete
-        self.failed = False  # it is not a call's JSON
-        self._state = self._open
-        self._key: str | None = None
-        self._value: JsonValue | None = None
+        self.text = ""
+        self.value: dict = {}  # the object, completed
+        self.tail = ""  # the closers the parser added to complete it: not written yet
+        self.complete = False
+        self.failed = False  # not JSON (from ``end`` on)
+        self.end = 0  # where the JSON ended or broke, once it did
 
-    def feed(self, c: str) -> bool:
-        """Read ``c``; False when it is not the object's (it ended, or broke, before ``c``)."""
-        if self.done or self.failed:
-            return False
-        consumed = self._state(c)
-        if consumed:
-            self.raw += c
-        return consumed
+    def feed(self, text: str) -> None:
+        self.text += text
+        start = len(self.text) - len(self.text.lstrip(JSON_SPACE))
+        if start == len(self.text):
+            return
+        if self.text[start] != "{":
+            self.failed, self.end = True, start
+            return
+        try:
+            self.value, self.end = _DECODER.raw_decode(self.text, start)
+            self.tail, self.complete = "", True
+            return
+        except json.JSONDecodeError as error:
+            # json reads the text up to its first fault, which is final unless the text ran out there, or in a
+            # number, literal or escape that may still go on (partial_json_parser is lenient past some faults)
+            read_to = len(self.text) if error.msg.startswith("Unterminated") else error.pos
+        if read_to < len(self.text.rstrip(_ATOM)):  # broken: the JSON is what came before the fault
+            self.failed, self.end = True, read_to
+        read = _partial(self.text[start:read_to].rstrip("\\"))  # an escape counts once complete
+        if read is not None:
+            self.value, self.tail = read
 
-    def take_arguments(self) -> str:
-        out, self.arguments = self.arguments, ""
-        return out
+    def _open_key(self) -> str | None:
+        """The key whose value is being written (the closers beyond the object's own ``}`` are its)."""
+        return next(reversed(self.value), None) if len(self.tail) > 1 else None
 
-    def _open(self, c: str) -> bool:
-        if c in WHITESPACE:
-            return True
-        if c != "{":
-            return self._fail()
-        self._state = self._first_key
-        return True
+    @property
+    def name(self):
+        """The ``name`` once written whole (None before)."""
+        return self.value.get("name") if self._open_key() != "name" else None
 
-    def _first_key(self, c: str) -> bool:
-        if c == "}":
-            self.done = True
-            return True
-        return self._next_key(c)
-
-    def _next_key(self, c: str) -> bool:
-        if c in WHITESPACE:
-            return True
-        if c != '"':
-            return self._fail()
-        self._value = JsonValue()
-        self._state = self._in_key
-        return self._value.feed(c)
-
-    def _in_key(self, c: str) -> bool:
-        if not self._value.feed(c):
-            return self._fail()
-        if self._value.done:
-            self._key = json.loads(self._value.take())
-            self._state = self._colon
-        return True
-
-    def _colon(self, c: str) -> bool:
-        if c in WHITESPACE:
-            return True
-        if c != ":":
-            return self._fail()
-        # only the first "arguments" counts; a string value is the arguments' text itself
-        self._value = JsonValue(text_string=self._arguments_key())
-        self._state = self._in_value
-        return True
-
-    def _in_value(self, c: str) -> bool:
-        value = self._value
-        consumed = value.feed(c)
-        if self._arguments_key():
-            self.arguments += value.take()
-        if value.failed:
-            return self._fail()
-        if not value.done:
-            return True
-        if self._key == "name" and self.name is None:
-            name = json.loads(value.take())
-            if not isinstance(name, str):
-                return self._fail()
-            self.name = name
-        self.has_arguments |= self._key == "arguments"
-        self._state = self._after
-        return consumed or self._after(c)
-
-    def _after(self, c: str) -> bool:
-        if c in WHITESPACE:
-            return True
-        if c == ",":
-            self._state = self._next_key
-        elif c == "}":
-            self.done = True
-        else:
-            return self._fail()
-        return True
-
-    def _arguments_key(self) -> bool:
-        return self._key == "arguments" and not self.has_arguments
-
-    def _fail(self) -> bool:
-        self.failed = True
-        return False
+    def arguments(self) -> str:
+        """The arguments as far as they can no longer change, as ``json.dumps`` writes them (a string: its
+        text, as arguments given as a string are sent as that string)."""
+        if "arguments" not in self.value:
+            return "{}" if self.complete else ""
+        arguments = self.value["arguments"]
+        held = len(self.tail) - 1 if self._open_key() == "arguments" else 0
+        if isinstance(arguments, str):
+            if held and "\ud800" <= arguments[-1:] <= "\udbff":  # half of a pair: the character may change
+                arguments = arguments[:-1]
+            return arguments
+        text = json.dumps(arguments)
+        return text[:len(text) - held]
 
 
 class ToolCallStream:
@@ -167,14 +139,15 @@ class ToolCallStream:
         self.calls: list[dict] = []
         self._ws = ""  # whitespace held: it stays only if content follows it
         self._tag = ""  # held: what may be the start of OPEN
-        self._block: _Block | None = None  # the block being read, until it is a call or content
+        self._block = _Block()  # the block being read
+        self._dropped = False  # the block is a call, dropped (not parallel)
         self._skipped = ""  # the end of what a call's block left, watched for CLOSE
         self._piece = Piece()
-        self._read = self._text
+        self._read = self._text  # reads what it can of a text, returns the rest
 
     def feed(self, text: str) -> Piece:
-        for c in text:
-            self._read(c)
+        while text:
+            text = self._read(text)
         piece, self._piece = self._piece, Piece()
         return piece
 
@@ -182,7 +155,7 @@ class ToolCallStream:
         """The answer ended: what was held is decided (an unfinished block is content; so is whitespace at the
         end, unless the answer made calls)."""
         if self._read == self._in_block:
-            self._say(self._block.raw)
+            self._say(OPEN + self._block.text)
         if self._read == self._text and self._tag:
             self._say(self._tag)
         if not self.calls:
@@ -190,59 +163,68 @@ class ToolCallStream:
         self._ws = self._tag = ""
         return self.feed("")
 
-    # ------------------------------------------------------------------ readers: one character each
-    def _text(self, c: str) -> None:
+    # ------------------------------------------------------------------ readers: each returns what it left
+    def _text(self, text: str) -> str:
+        for i, c in enumerate(text):
+            if self._char(c):
+                self._block, self._read = _Block(), self._in_block
+                return text[i + 1:]
+        return ""
+
+    def _char(self, c: str) -> bool:
+        """One character of text; True when it completes OPEN."""
         held = self._tag + c
         if held == OPEN:
             self._tag = ""
-            self._block, self._read = _Block(), self._in_block
-        elif OPEN.startswith(held):
+            return True
+        if OPEN.startswith(held):
             self._tag = held
         elif self._tag:  # not the tag after all, but c may begin one
             self._tag = ""
             self._say(held[:-1])
-            self._text(c)
+            return self._char(c)
         elif c.isspace():  # what str.strip() strips
             self._ws += c
         else:
             self._say(c)
+        return False
 
-    def _in_block(self, c: str) -> None:
+    def _in_block(self, text: str) -> str:
         block = self._block
-        consumed = block.feed(c)
-        if block.name in self.names:  # read just now, at its closing quote
-            if self.calls and not self.parallel:
-                self._read = self._skip
-                return
-            self._call(block.name)
-            self._arguments(block.take_arguments())
+        block.feed(text)
+        name = block.name
+        if isinstance(name, str) and name in self.names:
+            self._dropped = bool(self.calls) and not self.parallel
+            if not self._dropped:
+                self._call(name)
             self._read = self._call_body
-            return
-        if block.name is None and not (block.done or block.failed):
-            return
-        self._say(block.raw)  # not a call
+            return self._call_body("")
+        if name is None and not (block.complete or block.failed):
+            return ""
+        self._say(OPEN)  # not a call: content, its text read again as text
         self._read = self._text
-        if not consumed:
-            self._text(c)
+        return block.text
 
-    def _call_body(self, c: str) -> None:
+    def _call_body(self, text: str) -> str:
         block = self._block
-        consumed = block.feed(c)
-        self._arguments(block.take_arguments())
-        if not (block.done or block.failed):
-            return
-        if block.done and not block.has_arguments:
-            self._arguments("{}")
+        if text:
+            block.feed(text)
+        if not self._dropped:
+            self._arguments(block.arguments())
+        if not (block.complete or block.failed):
+            return ""
         self._read = self._skip
-        if not consumed:
-            self._skip(c)
+        return block.text[block.end:]
 
-    def _skip(self, c: str) -> None:
-        """In a call's block after its JSON (or a dropped call's block): nothing is content up to CLOSE."""
-        self._skipped = (self._skipped + c)[-len(CLOSE):]
-        if self._skipped == CLOSE:
-            self._skipped = ""
-            self._read = self._text
+    def _skip(self, text: str) -> str:
+        """In a call's block after its JSON: nothing is content up to CLOSE."""
+        seen = self._skipped + text
+        at = seen.find(CLOSE)
+        if at < 0:
+            self._skipped = seen[-len(CLOSE) + 1:]
+            return ""
+        self._skipped, self._read = "", self._text
+        return seen[at + len(CLOSE):]
 
     # ------------------------------------------------------------------ what goes out
     def _say(self, text: str) -> None:
@@ -260,11 +242,14 @@ class ToolCallStream:
         self.calls.append(call)
         self._piece.calls.append({"index": len(self.calls) - 1, **call, "function": dict(call["function"])})
 
-    def _arguments(self, text: str) -> None:
-        if not text:
-            return
+    def _arguments(self, certain: str) -> None:
+        """The call's arguments as far as they are certain: what is new of them goes out."""
         index = len(self.calls) - 1
-        self.calls[index]["function"]["arguments"] += text
+        sent = self.calls[index]["function"]["arguments"]
+        if len(certain) <= len(sent) or not certain.startswith(sent):  # nothing new (or a key written twice)
+            return
+        text = certain[len(sent):]
+        self.calls[index]["function"]["arguments"] = certain
         last = self._piece.calls[-1] if self._piece.calls else None
         if last is not None and last["index"] == index:
             last["function"]["arguments"] += text

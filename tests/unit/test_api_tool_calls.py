@@ -10,7 +10,6 @@ import pytest
 from openai import OpenAI
 
 from modeswitch.api.hermes import ToolCallStream
-from modeswitch.api.jsonstream import JsonValue
 from modeswitch.testing.engine import Script
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
@@ -77,7 +76,7 @@ def test_a_stream_adds_up_to_the_message_of_the_same_answer(make_app, name):
     assert first["content"] == content and [c["name"] for c in first["calls"].values()] == names
     if max_tokens:  # cut: a call's arguments as far as they came, and the finish reason says so
         assert first["finish_reason"] == "length"
-        assert [c["arguments"] for c in first["calls"].values()] == (['{"a": 1, "b"'] if names else [])
+        assert [c["arguments"] for c in first["calls"].values()] == (['{"a": 1'] if names else [])
         return
     assert first["finish_reason"] == ("tool_calls" if names else "stop")
     for call in first["calls"].values():  # written as json.dumps writes the model's JSON, as vLLM writes it
@@ -195,24 +194,51 @@ def test_whitespace_next_to_a_call_goes_and_a_call_without_arguments_has_none():
     # arguments given as a string are that string; a block after the first call is dropped when not parallel
     assert read('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', 1)[1] == [("add", '{"a": 1}')]
     assert read(ADD + "\n" + WEATHER + " ok", 1, parallel=False) == ("ok", [("add", '{"a": 1, "b": -2}')])
-    # JSON that breaks off after the name: the arguments stop there, and the rest of the block is not content
-    assert read('<tool_call>{"name": "add", "arguments": {"a": 1 ]}</tool_call>x', 1) == ("x", [("add", '{"a": 1')])
+    # JSON that breaks off after the name: the arguments stop at what was certain, the rest of the block is not
+    # content
+    assert read('<tool_call>{"name": "add", "arguments": {"a": [1, 2], "b" 2}}</tool_call>x', 1) == (
+        "x", [("add", '{"a": [1, 2]')])
+
+
+def arguments_of(text: str, split: int | None) -> str:
+    (call,) = read(f'<tool_call>{{"name": "add", "arguments": {text}}}</tool_call>', split)[1]
+    return call[1]
 
 
 @pytest.mark.parametrize("text", ['{"a": 1}', ' { "k" : [1,2.50,-0,1e3,true,false,null,{},[]] , "s":"\\u00e9\\/\\n" }',
-                                  '"\\ud83d\\ude00 \\ud83d x"', "12", "[NaN, -Infinity]", '{"a":{"b":[[],[{}]]}}'])
-def test_json_is_written_as_json_dumps_writes_it(text):
-    value, out = JsonValue(), []
-    for c in text + " ":
-        consumed = value.feed(c)
-        out.append(value.take())
-        if not consumed:
-            break
-    assert value.done and "".join(out) == json.dumps(json.loads(text))
+                                  "12", "[NaN, -Infinity]", '{"a":{"b":[[],[{}]]}}', '"{\\"a\\": \\ud83d\\ude00 \\ud83d x"'])
+def test_arguments_are_written_as_json_dumps_writes_them(text):
+    """In every split; arguments given as a string are that string."""
+    value = json.loads(text)
+    assert {arguments_of(text, split) for split in SPLITS} == {value if isinstance(value, str) else json.dumps(value)}
 
 
-@pytest.mark.parametrize("text", ["{a}", '{"a" 1}', "[1,]", '{"a":1,}', "01 ", '"\x01"', '"\\x"', '"\\u12g4"',
-                                  "[1 2]", '{"a":1]', "+1 "])
-def test_what_is_not_json_fails(text):
-    value = JsonValue()
-    assert not all(value.feed(c) for c in text) and value.failed
+def test_arguments_go_out_once_they_can_no_longer_change():
+    """The closers partial_json_parser adds are held back; a number, literal or escape goes once what follows
+    ends it."""
+    stream = ToolCallStream({"add"}, True)
+    stream.feed('<tool_call>{"name": "add", "arguments": ')
+    sent = []
+    for text in ['{"a": 1', ".5", ", ", '"s": [tr', 'ue, "caf\\u00', "e9", '"]', "}", "}"]:
+        stream.feed(text)
+        sent.append(stream.calls[0]["function"]["arguments"])
+    assert sent == ["{", "{", '{"a": 1.5', '{"a": 1.5, "s": [', '{"a": 1.5, "s": [true, "caf',
+                    '{"a": 1.5, "s": [true, "caf', '{"a": 1.5, "s": [true, "caf\\u00e9"]',
+                    '{"a": 1.5, "s": [true, "caf\\u00e9"]}', '{"a": 1.5, "s": [true, "caf\\u00e9"]}']
+
+
+@pytest.mark.parametrize("text, certain", [
+    ("{a}", "{"), ('{"a" 1}', "{"), ("[1,]", "[1"), ('{"a":1,}', '{"a": 1'), ('{"a": 01}', "{"),
+    ('{"s": "\x01"}', '{"s": "'), ('{"s": "ab\\x"}', '{"s": "ab'), ('{"s": "\\u12g4"}', '{"s": "'), ("[1 2]", "["),
+    ('{"a":1]', "{"), ("[+1]", "["), ('{"a": 1.5.5}', "{"), ('{"a": tru}', "{")])
+def test_arguments_that_are_not_json_stop_at_what_was_certain(text, certain):
+    """The same in every split, and the rest of the block is not content."""
+    reply = f'<tool_call>{{"name": "add", "arguments": {text}}}</tool_call>after'
+    assert [read(reply, split) for split in SPLITS] == [("after", [("add", certain)])] * len(SPLITS)
+
+
+def test_an_answer_cut_anywhere_reads_the_same_in_every_split():
+    reply = "Intro\n" + WEATHER + "\n" + ADD + ' <tool_call>{"name": "add", "arguments": [1,]}</tool_call>'
+    for end in range(0, len(reply), 7):
+        results = [read(reply[:end], split) for split in SPLITS]
+        assert all(r == results[0] for r in results), reply[:end]
