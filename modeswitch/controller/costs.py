@@ -260,6 +260,10 @@ class CostModel:
         self._near = {lane: tuple(o for o, c in cpus.items() if mine is None or c is None or mine & c)
                       for lane, mine in cpus.items()}
         self._engine_lane, self._engine_stream = {}, {}
+        #: mode -> (stream, lane, engine, slots, drafting): what predicting it reads, in one lookup
+        self._modes = {mode: (stream, binding.lanes.get(mode, ""), binding.engines.get(mode, mode),
+                              binding.slots.get(mode, 1) or 1, mode in binding.drafting)
+                       for mode, stream in binding.streams.items()}
         for mode, engine in binding.engines.items():
             self._engine_lane[engine] = binding.lanes.get(mode, "")
             if engine not in self._engine_stream or mode not in binding.drafting:
@@ -383,7 +387,7 @@ class CostModel:
         """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
         (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
         b = self.binding
-        lanes, engines, streams, near = b.lanes, b.engines, self._streams, self._near
+        lanes, engines, streams, near, modes = b.lanes, b.engines, self._streams, self._near, self._modes
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
         for m, n in features.in_flight_by_mode.items():
@@ -396,45 +400,53 @@ class CostModel:
             if n:
                 lane = lanes.get(m, "")
                 queued[lane] = queued.get(lane, 0) + n
+        totals: dict[str, tuple[int, int]] = {}  # lane -> requests, and prompt tokens not computed, on lanes near it
+        turns: dict[str, float] = {}  # engine -> its wait each step for the other busy engines near it
+
+        def near_lane(lane: str) -> tuple[int, int]:
+            if lane not in totals:
+                close = near.get(lane, ("",))
+                totals[lane] = (sum(on_lane.get(x, 0) for x in close), sum(queued.get(x, 0) for x in close))
+            return totals[lane]
 
         def beside(engine: str, lane: str) -> float:
             """Seconds a step of ``engine`` waits for the other busy engines on its lane: one step each (engines
             sharing cores take turns; an engine not measured yet is counted at nothing)."""
-            total = 0.0
-            for other, n in on_engine.items():
-                if other != engine and self._engine_lane.get(other, "") in near.get(lane, ("",)):
-                    curve = streams.get(self._engine_stream.get(other, other))
-                    total += (curve.step.at(n) or 0.0) if curve is not None else 0.0
-            return total
+            if engine not in turns:
+                close, total = near.get(lane, ("",)), 0.0
+                for other, n in on_engine.items():
+                    if other != engine and self._engine_lane.get(other, "") in close:
+                        costs = streams.get(self._engine_stream.get(other, other))
+                        total += (costs.step.at(n) or 0.0) if costs is not None else 0.0
+                turns[engine] = total
+            return turns[engine]
+
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
         # on one vLLM engine): computed once
         known: dict[tuple[str, int], Prediction | None] = {}
 
         def predict(mode: str) -> Prediction | None:
-            stream = b.streams.get(mode, "")
+            stream, lane, engine, slots, drafting = modes.get(mode) or ("", "", mode, 1, False)
             unmatched = max(prompt - held.get(mode, 0), 1)
-            if (stream, unmatched) in known:
-                return known[stream, unmatched]
-            known[stream, unmatched] = p = _predict(mode, stream, unmatched)
-            return p
+            key = (stream, unmatched)
+            if key not in known:
+                known[key] = _predict(stream, lane, engine, slots, drafting, unmatched)
+            return known[key]
 
-        def _predict(mode: str, stream: str, unmatched: int) -> Prediction | None:
+        def _predict(stream: str, lane: str, engine: str, slots: int, drafting: bool,
+                     unmatched: int) -> Prediction | None:
             costs = streams.get(stream)
             if costs is None or not costs.measured:
                 return None
             step_at, prefill_at = costs.step.at, costs.prefill.at
-            lane, engine = lanes.get(mode, ""), engines.get(mode, mode)
-            close = near.get(lane, ("",))
-            lane_load = sum(on_lane.get(l, 0) for l in close)
-            ahead = sum(queued.get(l, 0) for l in close)
+            lane_load, ahead = near_lane(lane)
             mine = on_engine.get(engine, 0)
             own_step = step_at(mine + 1)
-            step = own_step + (beside(engine, lane) if lane_load > mine else 0.0)
+            step = own_step + beside(engine, lane) if lane_load > mine else own_step
             prefill = prefill_at(ahead + unmatched)
-            steps = (max_tokens - 1) / tokens_per_step if mode in b.drafting and tokens_per_step > 1 else max_tokens - 1
+            steps = (max_tokens - 1) / tokens_per_step if drafting and tokens_per_step > 1 else max_tokens - 1
             decode = steps * step
-            slots = b.slots.get(mode, 1) or 1
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
             if lane_load:  # its prompt stalls every request there; each of its steps lengthens theirs

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable, Mapping
 
 from ..yamlconf import Section
@@ -164,8 +165,16 @@ class RulePolicy:
         """A request no rule matches goes to the default list, then the fallback."""
         return tuple(_unique(self.default + self.fallback))
 
+    @cached_property
+    def _capped(self) -> bool:
+        """Whether the policy or any rule caps energy at all (most do not: the energy gate then asks nothing)."""
+        return (self.energy.max_j_per_token is not None or bool(self.energy.modes)
+                or any(r.max_j_per_token is not None for r in self.rules))
+
     def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
         """The policy's caps on ``mode``, and the matching rule's for this request."""
+        if not self._capped:
+            return None
         last_features, rule = self._last_match.pair
         if last_features is not features:
             rule = self.match(features)
