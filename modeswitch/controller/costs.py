@@ -153,13 +153,13 @@ class StreamCosts:
         return self.prefill.measured and self.step.measured
 
     def dump(self) -> dict[str, Any]:
-        return {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_lane_load": self.step.dump(),
+        return {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_engine_load": self.step.dump(),
                 "service_s": [round(self.service.y, 4), self.service.n]}
 
     @classmethod
     def load(cls, data: Mapping[str, Any]) -> "StreamCosts":
         service = data.get("service_s") or [0.0, 0]
-        return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_lane_load"]),
+        return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
                    _Point(0.0, float(service[0]), int(service[1])))
 
 
@@ -499,7 +499,7 @@ class CostModel:
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read
-CURVES_VERSION = 3
+CURVES_VERSION = 4
 
 
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:

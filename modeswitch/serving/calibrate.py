@@ -205,5 +205,5 @@ class Calibration:
     def _report(self, stream: str, state: ModeState) -> None:
         curve = self.costs.stream(stream)
         steps = ", ".join(f"{x:g}: {y * 1e3:.1f}" for x, y, _ in curve.step.dump())
-        self.progress(f"costs of {stream} (mode {state.name}): ms per step by lane load {steps}; prefill of "
+        self.progress(f"costs of {stream} (mode {state.name}): ms per step by requests on the engine {steps}; prefill of "
                       f"{PROMPT_TOKENS[0]} tokens {curve.prefill.at(PROMPT_TOKENS[0]) * 1e3:.0f} ms")

@@ -246,8 +246,8 @@ def test_the_engines_measure_their_costs_and_the_default_policy_picks_the_predic
     engines = {m.get("vllm_engine") or m["name"] for m in modes(vllm_server)["modes"] if m["status"] == "available"}
     assert costs["calibration"] == "done", costs["calibration"]
     for stream, curves in costs["streams"].items():
-        assert curves["step_s_by_lane_load"] and curves["prefill_s_by_tokens"], stream
-        assert all(seconds > 0 and samples >= 1 for _, seconds, samples in curves["step_s_by_lane_load"]), stream
+        assert curves["step_s_by_engine_load"] and curves["prefill_s_by_tokens"], stream
+        assert all(seconds > 0 and samples >= 1 for _, seconds, samples in curves["step_s_by_engine_load"]), stream
         assert "cpu" in curves["key"] and stream.removesuffix(" drafting") in engines
     body = requests.post(vllm_server + "/v1/completions", timeout=300, json={
         "model": "demo", "prompt": "A fresh prompt, sharing nothing.", "max_tokens": 8, "temperature": 0,

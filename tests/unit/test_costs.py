@@ -198,7 +198,7 @@ def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_whe
     app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
     wait_measured(app, modes)
     costs = app.get("/v1/modes").get_json()["costs"]
-    step = {s: costs["streams"][s]["step_s_by_lane_load"] for s in modes}
+    step = {s: costs["streams"][s]["step_s_by_engine_load"] for s in modes}
     assert step["int8+prefix_cache"][0][1] > 2 * step["prefix_cache"][0][1]
     assert all(n >= 1 for _, _, n in step["prefix_cache"])  # samples behind each point are shown
     assert costs["streams"]["int8+prefix_cache"]["idle_by_measurement"] is True
