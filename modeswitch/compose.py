@@ -18,7 +18,8 @@ from .config import NO_GATE, ServerConfig
 from .controller.costs import CostModel
 from .controller.decide import Controller
 from .controller.load import load_policy
-from .modes import ModeSpec, load_modes
+from .device import machine
+from .modes import WEIGHTS, ModeSpec, load_modes, own_engine_on
 from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
 from .serving.admission import Admission
 from .serving.calibrate import Calibration
@@ -39,6 +40,22 @@ def mode_specs(config: ServerConfig) -> tuple[list[ModeSpec], list[str]]:
     if unknown:
         raise ConfigError(f"--modes: unknown mode(s) {', '.join(unknown)}; defined: {', '.join(defined)}")
     return ([m for m in modes if m.name in config.modes] if config.modes else modes), defined
+
+
+def follow_measurements(specs: list[ModeSpec], costs: CostModel, model: str, progress: Progress) -> list[ModeSpec]:
+    """The engine layout where the measurements of an earlier run here choose it: a mode's engine of its own
+    (the second engine a burst spreads over, on cores of its own) goes to the weights whose vLLM engine measured
+    the fastest step on this machine. With nothing measured yet the mode files decide."""
+    steps = costs.step_by_weights(machine(), model, "vllm", WEIGHTS)
+    if not steps:
+        return specs
+    fastest = next(iter(steps))
+    specs, moved = own_engine_on(specs, fastest)
+    if moved:
+        measured = ", ".join(f"{w} {s * 1e3:.0f} ms" for w, s in steps.items())
+        progress(f"engine layout: an engine of its own for {'; '.join(moved)}: {fastest} weights step fastest "
+                 f"here ({measured} at one request, measured by an earlier run)")
+    return specs
 
 
 def all_shipped_modes() -> list[ModeSpec]:
@@ -72,12 +89,14 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
         preset = dataclasses.replace(preset, gptq=config.gptq)
     if config.w8a8:
         preset = dataclasses.replace(preset, w8a8=config.w8a8)
+    costs = CostModel(config.costs_file or cache_dir() / "costs.json")
+    if config.calibrate:  # a server that measures its engines lays them out by what was measured
+        specs = follow_measurements(list(specs), costs, preset.name, progress)
     registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
     later = registry.load(progress, policy.first_modes if config.load.staged else ())
     if not later:
         progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
-    costs = CostModel(config.costs_file or cache_dir() / "costs.json")
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:

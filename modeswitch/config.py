@@ -133,7 +133,9 @@ class ServerConfig:
     calibrate: bool = option(True, "measure each engine's prefill and step costs once its modes are up, behind the "
                              "requests (kept per machine, model and engine in the cache's costs.json, so a restart "
                              "reuses them); every finished request corrects them either way. A policy with "
-                             "'order: predicted' orders modes by these measurements")
+                             "'order: predicted' orders modes by these measurements, and a mode's engine of its own "
+                             "(own_engine) goes to the weights an earlier run measured fastest here; without it the "
+                             "mode files decide the layout")
     costs_file: Path | None = option(None, "JSON file the measured costs are kept in across restarts (default: "
                                      "costs.json in the model cache, $MODESWITCH_CACHE or ~/.cache/modeswitch)",
                                      parse=Path)

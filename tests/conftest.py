@@ -203,7 +203,8 @@ def launches(request, tmp_path_factory) -> Launches:
     used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     started = Launches()
     if "vllm_server" in used and vllm_installed():
-        started.vllm = launch_server(tmp_path_factory.mktemp("vllm"), *VLLM_SERVER_ARGS, idle=True)
+        home = tmp_path_factory.mktemp("vllm")  # its own cost file: it measures from nothing, as on a fresh machine
+        started.vllm = launch_server(home, *VLLM_SERVER_ARGS, "--costs-file", str(home / "costs.json"), idle=True)
     if "server" in used:
         started.transformers, started.policy_file = launch_transformers_server(tmp_path_factory.mktemp("server"))
     yield started

@@ -483,6 +483,23 @@ class CostModel:
         return {"calibration": self.calibration, "streams": out, "modes": dict(b.streams),
                 "path": str(self.path) if self.path else None}
 
+    def step_by_weights(self, machine: str, model: str, backend: str, weights: Iterable[str]) -> dict[str, float]:
+        """Per weights kind, the seconds per step at one request that its plain engine measured here (this
+        machine, model and engine family, in this file: a run before this one), fastest first; what an engine
+        layout may follow before the engines start (``modes.own_engine_on``). ``backend`` is the engine family
+        serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``)."""
+        kinds, out = set(weights), {}
+        for key, data in self._saved.items():
+            try:
+                version, mach, mod, back, stream, _ = json.loads(key)
+                step = Curve.load(data["step_s_by_engine_load"]).at(1)
+            except (ValueError, TypeError, KeyError):
+                continue
+            if (version, mach, mod, back.split("+")[0]) == (CURVES_VERSION, machine, model, backend) \
+                    and stream in kinds and step:
+                out[stream] = min(step, out.get(stream, step))
+        return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
     def idle_by_measurement(self) -> list[str]:
         """Plain streams slower than another plain stream at every lane load either has measured: the
         measurements give such an engine's lane no work that pays (a gate or a pinned request still may)."""

@@ -313,3 +313,35 @@ def test_an_engine_that_changed_keeps_its_old_curves_until_measured_again(tmp_pa
     eager = CostModel(tmp_path / "costs.json")
     eager.bind(binding)
     assert eager.predict("fp16", feats(max_tokens=3)).decode_s == pytest.approx(0.1)
+
+
+def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_here(tmp_path):
+    """Mode files give int8+speculative an engine of its own (a burst spreads over two int8 engines: right where
+    int8 is fast). Where an earlier run here measured the fp16 engine stepping faster than the int8 one (an AVX2
+    CPU), the next start gives that engine to ``speculative`` instead; measured elsewhere, or not at all, the files
+    decide."""
+    from modeswitch.compose import follow_measurements
+    from modeswitch.device import machine
+    from modeswitch.modes import load_modes
+
+    path = tmp_path / "costs.json"
+    other = "cpu Other [avx2 avx512f] x2"
+    for where, steps in ((machine(), {"fp16": 0.05, "int8": 0.2, "int8+speculative drafting": 0.21}),
+                         (other, {"fp16": 0.05, "int8": 0.02})):
+        measured = CostModel(path)  # each run merges its keys into the file
+        measured.bind(Binding(streams={s: s for s in steps}, lanes={}, engines={}, slots={},
+                              keys={s: stream_key(where, "demo", "vllm+transformers", s, {"cpus": [0]}) for s in steps}))
+        for stream, step in steps.items():
+            measured.add_prefill(stream, 16, 0.1)
+            measured.add_step(stream, 1, step)
+        measured.save()
+    kinds = ("fp16", "int8", "gptq")
+    assert list(CostModel(path).step_by_weights(machine(), "demo", "vllm", kinds)) == ["fp16", "int8"]
+    assert list(CostModel(path).step_by_weights(other, "demo", "vllm", kinds)) == ["int8", "fp16"]
+    shipped = load_modes()
+    said = []
+    moved = {m.name: m.own_engine for m in follow_measurements(shipped, CostModel(path), "demo", said.append)}
+    assert moved["speculative"] and not moved["int8+speculative"] and "speculative" in said[0]
+    assert sum(moved.values()) == sum(m.own_engine for m in shipped)
+    unmeasured = follow_measurements(shipped, CostModel(tmp_path / "none.json"), "demo", said.append)
+    assert unmeasured == shipped and len(said) == 1
