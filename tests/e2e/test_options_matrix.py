@@ -118,7 +118,8 @@ def _ignore_eos(m: Pinned) -> None:
 
 def _logprobs(m: Pinned) -> None:
     lp = m.complete(OPEN, temperature=1.0, logprobs=3).choices[0].logprobs
-    assert len(lp.tokens) == 3
+    # sampled: the end of the text may be drawn before the third token
+    assert 0 < len(lp.tokens) <= 3 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert_most_likely(token, logprob, list(top.items()), 3, by_text=True)
 
