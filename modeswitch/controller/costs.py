@@ -173,6 +173,9 @@ class Prediction(NamedTuple):
     wait_s: float
     prefill_s: float
     decode_s: float
+    #: its engine is idle by measurement (``CostModel._idle_engines``): a policy ordering by prediction
+    #: compares it only when no other mode is admitted
+    idle: bool = False
 
     @property
     def total(self) -> float:
@@ -202,6 +205,8 @@ class Binding:
     keys: Mapping[str, str] | None = None
     #: speculative mode -> the plain mode on the same weights it would otherwise be (speculation_gain)
     pairs: Mapping[str, str] | None = None
+    #: mode -> the weights it computes with (engines on other weights may make its engine idle by measurement)
+    weights: Mapping[str, str] | None = None
 
 
 class CostModel:
@@ -212,8 +217,9 @@ class CostModel:
         """``path``: the JSON file the measurements are kept in across restarts (None: not kept)."""
         self.path = Path(path) if path is not None else None
         self.binding = Binding({}, {}, {}, {})
-        self._derive(self.binding)
         self._streams: dict[str, StreamCosts] = {}
+        self._idle: frozenset[str] = frozenset()  # the engines idle by measurement, as of the last change
+        self._derive(self.binding)
         self._keys: dict[str, str] = {}  # stream -> the key its curves are kept under
         self._stale: set[str] = set()  # streams whose engine changed since their curves were measured
         #: what the engines' calibration is doing (``serving.calibrate``), as ``/v1/modes`` shows it
@@ -251,6 +257,7 @@ class CostModel:
                     self._streams[stream] = fresh or StreamCosts.empty()
                     self._stale.discard(stream)
                 self._keys[stream] = key
+            self._idle = self._idle_engines()
 
     def _derive(self, binding: Binding) -> None:
         """What a prediction reads of the binding, worked out once: per lane the lanes overlapping it (itself
@@ -317,6 +324,7 @@ class CostModel:
         with self._lock:
             self._streams[stream] = costs
             self._stale.discard(stream)
+            self._idle = self._idle_engines()
 
     def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:
         costs = self.stream(stream)
@@ -327,6 +335,7 @@ class CostModel:
         costs = self.stream(stream)
         with self._lock:
             costs.step.add(max(lane_load, 1), seconds)
+            self._idle = self._idle_engines()
 
     def add_service(self, stream: str, seconds: float) -> None:
         costs = self.stream(stream)
@@ -387,7 +396,7 @@ class CostModel:
         """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
         (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
         b = self.binding
-        lanes, engines, streams, near, modes = b.lanes, b.engines, self._streams, self._near, self._modes
+        lanes, engines, streams, near, modes, idle = b.lanes, b.engines, self._streams, self._near, self._modes, self._idle
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
         for m, n in features.in_flight_by_mode.items():
@@ -455,7 +464,7 @@ class CostModel:
                 delay = lane_load * (max(own_prefill, 0.0) + steps * max(growth, 0.0))
             else:
                 delay = 0.0
-            return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
+            return Prediction(wait + prefill + decode, delay, wait, prefill, decode, engine in idle)
 
         return predict
 
@@ -501,18 +510,34 @@ class CostModel:
         return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
     def idle_by_measurement(self) -> list[str]:
-        """Plain streams slower than another plain stream at every lane load either has measured: the
-        measurements give such an engine's lane no work that pays (a gate or a pinned request still may)."""
-        plain = {s: c for s, c in self._streams.items()
-                 if c.step.measured and s in set(self.binding.streams.values()) and not s.endswith(" drafting")}
-        idle = []
-        for s, c in plain.items():
-            loads = [x for x, _, _ in c.step.dump()]
-            for other, o in plain.items():
-                if other != s and all(o.step.at(x) < c.step.at(x) for x in loads):
-                    idle.append(s)
+        """The plain streams of the engines idle by measurement (:meth:`_idle_engines`)."""
+        return sorted(self._engine_stream[e] for e in self._idle if e in self._engine_stream)
+
+    def _idle_engines(self) -> frozenset[str]:
+        """The engines whose plain stream is slower, at every load it has measured, than the plain stream of an
+        engine on other weights computing on an overlapping lane, measured at each of those loads too. Such an
+        engine's steps take turns with a faster one's on the same cores: any request it takes is served slower
+        and slows the faster engine's, so the measurements give it no work that pays (a gate or a pinned request
+        still may). Engines on the same weights are not compared: what tells them apart is what a request
+        finds there (a cached prefix, drafting), which its prediction already weighs. Worked out when a curve or
+        the binding changes, not per decision."""
+        b = self.binding
+        weights = b.weights or {}
+        plain: dict[str, tuple[Curve, str, str]] = {}  # engine -> its plain step curve, lane, weights
+        for mode, engine in b.engines.items():
+            stream = b.streams.get(mode)
+            costs = self._streams.get(stream) if stream is not None and mode not in b.drafting else None
+            if costs is not None and costs.step.measured:
+                plain[engine] = (costs.step, self._engine_lane.get(engine, ""), weights.get(mode, ""))
+        idle = set()
+        for engine, (curve, lane, kind) in plain.items():
+            loads = [x for x, _, _ in curve.dump()]
+            for other, (faster, other_lane, other_kind) in plain.items():
+                if (other_kind != kind and other_lane in self._near.get(lane, ("",))
+                        and all(faster.samples(x) and faster.at(x) < curve.at(x) for x in loads)):
+                    idle.add(engine)
                     break
-        return sorted(idle)
+        return frozenset(idle)
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read

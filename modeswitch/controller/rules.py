@@ -195,18 +195,25 @@ class RulePolicy:
 def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: str | None) -> Choice:
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
     unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
-    otherwise (modes on one engine stream with the same prompt to compute share one prediction)."""
-    predicted = [(p.total, i, name, p) for i, name in enumerate(admitted) if (p := predict(name)) is not None]
+    otherwise (modes on one engine stream with the same prompt to compute share one prediction). A mode whose
+    engine is idle by measurement (slower at every load than another on its cores) comes after every other
+    measured one: its own time may look shorter while the faster engine is busy, but its steps take the cores
+    from that engine's, which the greedy sum of one request's own time and delay does not see."""
+    predicted = [(p.idle, p.total, i, name, p) for i, name in enumerate(admitted) if (p := predict(name)) is not None]
     if not predicted:
         return Choice(admitted[0], f"{why} -> {admitted[0]} (no mode measured yet: the list's order){tail}", rule)
-    predicted.sort(key=lambda t: t[:2])
-    _, _, best, p = predicted[0]
+    predicted.sort(key=lambda t: t[:3])
+    *_, best, p = predicted[0]
     prediction = {"chosen": {"mode": best, **p.as_dict()}}
     text = f"{why} -> {best}, predicted {p.total:.3g} s"
-    second = next(((name, q) for _, _, name, q in predicted[1:] if q is not p), None)
+    second = next(((name, q) for *_, name, q in predicted[1:] if q is not p), None)
     if second is not None:
         prediction["runner_up"] = {"mode": second[0], **second[1].as_dict()}
         text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
+    if predicted[-1][0]:
+        text += ("; its engine is slower at every load than another on its cores, no other mode admitted" if p.idle
+                 else "; left alone, their engine slower at every load than another on its cores: "
+                 + ", ".join(name for idle, *_, name, _ in predicted if idle))
     return Choice(best, text + tail, rule, prediction)
 
 

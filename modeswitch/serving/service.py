@@ -396,7 +396,8 @@ class Service:
             slots={m.spec.name: m.batch_slots for m in modes},
             drafting=frozenset(m.spec.name for m in modes if m.speculative),
             keys={stream[m.spec.name]: stream_key(machine(), self.model_name, self.registry.backend_name, stream[m.spec.name], m.details) for m in modes},
-            pairs=pairs))
+            pairs=pairs,
+            weights={m.spec.name: m.spec.weights for m in modes}))
 
     def owe(self, mode: str, tokens: int, paid: bool = False) -> tuple[str, int]:
         """Count ``tokens`` of prompt as still to compute on ``mode`` (or, ``paid``, as computed)."""

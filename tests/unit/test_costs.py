@@ -158,6 +158,58 @@ def test_measurements_are_kept_under_their_key_and_read_back_by_the_same_engine(
     assert not other.measured("fp16")
 
 
+def test_an_engine_slower_at_every_load_than_another_on_its_cores_is_idle_by_measurement():
+    """int8 beside fp16 on one core, 3x slower at every load both measured: idle, and each of its modes' predictions
+    says so. Not where it computes on cores of its own (it adds capacity there), not against an engine on the same
+    weights (a cached prefix or drafting tells those apart), and not where the faster one has not measured every
+    load the slower one has (nothing is claimed on an extrapolation)."""
+    def model(int8_lane="0", int8_weights="int8", fp16_loads=(1, 2, 4)):
+        costs = CostModel()
+        modes = {"fp16": "fp16", "prefix_cache": "fp16", "int8": "int8", "int8+prefix_cache": "int8"}
+        costs.bind(Binding(streams=dict(modes), lanes={m: "0" if e == "fp16" else int8_lane for m, e in modes.items()},
+                           engines=dict(modes), slots={m: 4 for m in modes},
+                           weights={m: "fp16" if e == "fp16" else int8_weights for m, e in modes.items()}))
+        for load in (1, 2, 4):
+            costs.add_prefill("int8", 16, 0.01)
+            costs.add_step("int8", load, 0.03 * load)
+        for load in fp16_loads:
+            costs.add_prefill("fp16", 16, 0.01)
+            costs.add_step("fp16", load, 0.01 * load)
+        return costs
+
+    costs = model()
+    assert costs.idle_by_measurement() == ["int8"]
+    assert costs.describe()["streams"]["int8"]["idle_by_measurement"] is True
+    predict = costs.predictor(feats(max_tokens=8, in_flight_by_mode={"fp16": 3}))
+    assert predict("int8+prefix_cache").idle and not predict("prefix_cache").idle
+    assert model(int8_lane="1").idle_by_measurement() == []
+    assert model(int8_weights="fp16").idle_by_measurement() == []
+    assert model(fp16_loads=(1, 2)).idle_by_measurement() == []
+    # the faster engine slows below it at one load: not idle any more
+    costs.add_step("fp16", 4, 0.2)
+    costs.add_step("fp16", 4, 0.2)
+    assert costs.idle_by_measurement() == []
+
+
+def test_a_mode_on_an_idle_engine_is_chosen_only_when_no_other_is_admitted():
+    """Its own time may look shorter while the faster engine is busy; it still comes after every other measured
+    mode, and serves when the gates leave nothing else (memory pressure, a full queue)."""
+    from modeswitch.controller.costs import Prediction
+
+    policy = policy_from(FASTEST)
+    times = {"prefix_cache": 2.0, "speculative": 2.5, "int8+prefix_cache": 1.0}
+
+    def predict(mode):
+        return Prediction(times[mode], 0.0, 0.0, 0.1, 0.0, mode.startswith("int8")) if mode in times else None
+
+    choice = policy.choose(feats(), {}, predict)
+    assert choice.mode == "prefix_cache" and choice.prediction["runner_up"]["mode"] == "speculative"
+    assert "left alone" in choice.reason and "int8+prefix_cache" in choice.reason
+    full = {"prefix_cache": "queue full", "speculative": "queue full"}
+    choice = policy.choose(feats(), full, predict)
+    assert choice.mode == "int8+prefix_cache" and "no other mode admitted" in choice.reason
+
+
 def test_the_policy_picks_the_mode_predicted_first_and_says_what_the_runner_up_was():
     policy = policy_from(FASTEST)
     times = {"fp16": 2.0, "int8": 1.0, "prefix_cache": 1.5}
@@ -189,12 +241,12 @@ def wait_measured(app, streams, timeout=30.0) -> None:
 
 
 def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_when_it_slows(make_app):
-    """Two engines, one 3x slower per token (int8 on an AVX2 CPU, say): calibration measures both and the default
+    """Two engines on one core, one 3x slower per token (int8 on an AVX2 CPU, say): calibration measures both and the default
     policy sends every request to the faster; when that engine slows down below the other, its finished requests
     say so and the routing flips within a few requests."""
     modes = ["prefix_cache", "int8+prefix_cache"]
     scripts = {"prefix_cache": Script(token_s=0.006, batch=4, cpus=(0,)),
-               "int8+prefix_cache": Script(token_s=0.018, batch=4, cpus=(1,))}
+               "int8+prefix_cache": Script(token_s=0.018, batch=4, cpus=(0,))}
     app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
     wait_measured(app, modes)
     costs = app.get("/v1/modes").get_json()["costs"]
