@@ -429,15 +429,15 @@ class VllmBackend:
         all CPUs but one (the one it leaves to an engine's scheduler process), every engine the same way, so every
         engine of a server computed on the same CPUs and the engines took turns. Here each engine gets as many
         CPUs (all but one: an engine's scheduler runs between its steps, on the same thread), rotated by one per
-        engine: the first mode's engine first, then the others on its weights (the drafting one: the two a burst
-        is spread over), then the rest; so that two engines on the same weights serve a burst on different cores
-        at once. Empty on a GPU or a single CPU (nothing to rotate)."""
+        engine: the first mode's engine first, then the others on its weights (a mode's engine of its own: the
+        two a burst is spread over), then the rest; so that two engines on the same weights serve a burst on
+        different cores at once. Empty on a GPU or a single CPU (nothing to rotate)."""
         if not self._lanes():
             return []
         cpus = _affinity()
         first = self._first or keys[0]
-        weights = first.split("+")[0]
-        order = sorted(keys, key=lambda k: (k != first, k.split("+")[0] != weights, keys.index(k)))
+        weights = {k: self._specs[self._plan.users[k][0]].weights for k in keys}
+        order = sorted(keys, key=lambda k: (k != first, weights[k] != weights[first], keys.index(k)))
         i, width = order.index(key), len(cpus) - 1
         return [cpus[(i + j) % len(cpus)] for j in range(width)]
 
