@@ -31,6 +31,10 @@ from .restarts import RestartPolicy, Restarts
 
 log = logging.getLogger(__name__)
 
+#: why a speculative mode's prefix cache is off on the eager ``generate()`` workers (its card's ``prefix_cache_off``)
+SPECULATIVE_FROM_CACHE = ("transformers' speculative generate() decodes other tokens from a stored cache than "
+                          "from an empty one: every prompt is computed whole")
+
 
 class TransformersBackend:
     name = "transformers"
@@ -111,6 +115,9 @@ class TransformersBackend:
                 draft_model = self.weights.get(variant, progress)
                 draft_model.generation_config.num_assistant_tokens = spec.speculative.num_tokens
         store = PrefixKVStore(spec.prefix_cache_tokens) if spec.prefix_cache else None
+        if store is not None and spec.speculative is not None:
+            store = None  # greedy output must not depend on what an earlier request left cached
+            details.update(prefix_cache=False, prefix_cache_off=SPECULATIVE_FROM_CACHE)
         details["decode"] = "eager dynamic cache"
         return GenerateEngine(spec.name, model, spec.max_queue, store, draft_model, lookup, self.checkpoint.grammars)
 

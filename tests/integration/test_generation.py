@@ -187,6 +187,8 @@ def test_each_mode_card_says_what_its_linears_run(server):
                  "kernel": "torch.nn.functional.linear"}
     assert all(cards[m]["kernels"] == {**reference, "engine": f"transformers:{m}"}
                for m in ("fp16", "prefix_cache", "speculative")), cards["fp16"]
+    # a speculative generate() worker computes every prompt whole (from a stored cache it decodes other tokens)
+    assert cards["speculative"]["prefix_cache"] is False and cards["speculative"]["prefix_cache_off"]
     int8, gptq = cards["int8"]["kernels"], cards["gptq"]["kernels"]
     assert (int8["weights"], int8["weight_format"], int8["kernel"]) == ("int8", "bitsandbytes LLM.int8",
                                                                         "bitsandbytes int8 matmul")
