@@ -11,8 +11,8 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
 
 Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
 pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
-the size, each a decaying mean of (size, seconds) so that a bucket follows a machine whose speed changes. A
-curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
+the size, each a decaying mean of (size, seconds) so that a bucket follows a machine whose speed changes (:mod:`.curves`).
+A curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
 two buckets' slope after the last): nothing in a prediction is a constant that this machine did not measure.
 
 A request ``r`` on mode ``m`` of engine ``e`` running ``n`` requests, on a lane running ``b`` requests (``e``'s
@@ -36,10 +36,8 @@ valid) in a JSON file, so a restart on the same machine starts with what the las
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -47,121 +45,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from .completed import Completed
+from .curves import Curve, StreamCosts
 from .features import Features
 from .speculation import tokens_per_step as tokens_per_target_step
 
 log = logging.getLogger(__name__)
-
-#: weight of each new observation in a bucket's running means once it has this many (1 / WEIGHT) samples:
-#: about the last twenty of a bucket count, so a bucket follows a changing machine within a burst
-WEIGHT = 0.05
-
-
-def bucket(size: float) -> int:
-    """The log2 bucket of a size (1, 2-3, 4-7, ...): costs grow with size, rarely linearly."""
-    return max(int(size), 1).bit_length()
-
-
-class _Point:
-    """One bucket's running means of (size, seconds), weighing recent samples more once it has many."""
-
-    __slots__ = ("x", "y", "n")
-
-    def __init__(self, x: float = 0.0, y: float = 0.0, n: int = 0) -> None:
-        self.x, self.y, self.n = x, y, n
-
-    def add(self, x: float, y: float) -> None:
-        self.n += 1
-        w = max(WEIGHT, 1.0 / self.n)
-        self.x += (x - self.x) * w
-        self.y += (y - self.y) * w
-
-
-class Curve:
-    """Seconds against a size, in log2 buckets; :meth:`at` interpolates between the measured ones."""
-
-    def __init__(self) -> None:
-        self._points: dict[int, _Point] = {}
-        #: the measured buckets' mean sizes, ascending, and their mean seconds: one tuple, replaced whole, so a
-        #: reader on another thread never sees the sizes of one update with the seconds of another
-        self._xy: tuple[list[float], list[float]] = ([], [])
-
-    def add(self, size: float, seconds: float) -> None:
-        if seconds < 0 or not math.isfinite(seconds):
-            return
-        self._points.setdefault(bucket(size), _Point()).add(float(size), float(seconds))
-        self._index()
-
-    def _index(self) -> None:
-        points = [p for _, p in sorted(self._points.items())]
-        self._xy = ([p.x for p in points], [p.y for p in points])
-
-    @property
-    def measured(self) -> bool:
-        return bool(self._xy[0])
-
-    def at(self, size: float) -> float | None:
-        """The seconds at ``size``: interpolated between the measured buckets around it, flat below the first,
-        extended on the slope of the last two above the last (flat with one); None when nothing is measured."""
-        xs, ys = self._xy
-        if not xs:
-            return None
-        i = bisect.bisect_left(xs, size)
-        if i == 0:
-            return ys[0]
-        if i == len(xs):
-            if i == 1:
-                return ys[0]
-            i -= 1  # beyond the last: the last segment's slope, never falling
-            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 0.0
-            return ys[i] + max(slope, 0.0) * (size - xs[i])
-        x0, x1 = xs[i - 1], xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (size - x0) / (x1 - x0) if x1 > x0 else ys[i]
-
-    def samples(self, size: float) -> int:
-        point = self._points.get(bucket(size))
-        return point.n if point is not None else 0
-
-    def dump(self) -> list[list[float]]:
-        """Its buckets as ``[size, seconds, samples]`` (what ``/v1/modes`` shows and the cache keeps)."""
-        return [[round(p.x, 2), round(p.y, 6), p.n] for _, p in sorted(self._points.items())]
-
-    @classmethod
-    def load(cls, rows: Iterable[Iterable[float]]) -> "Curve":
-        curve = cls()
-        for x, y, n in rows:
-            curve._points[bucket(x)] = _Point(float(x), float(y), int(n))
-        curve._index()
-        return curve
-
-
-@dataclass
-class StreamCosts:
-    """An engine stream's measured costs (plain requests, or its drafting requests)."""
-
-    prefill: Curve
-    step: Curve
-    #: a request's seconds from submission to its last token (what a queued request waits per batch ahead)
-    service: _Point
-
-    @classmethod
-    def empty(cls) -> "StreamCosts":
-        return cls(Curve(), Curve(), _Point())
-
-    @property
-    def measured(self) -> bool:
-        return self.prefill.measured and self.step.measured
-
-    def dump(self) -> dict[str, Any]:
-        return {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_engine_load": self.step.dump(),
-                "service_s": [round(self.service.y, 4), self.service.n]}
-
-    @classmethod
-    def load(cls, data: Mapping[str, Any]) -> "StreamCosts":
-        service = data.get("service_s") or [0.0, 0]
-        return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
-                   _Point(0.0, float(service[0]), int(service[1])))
-
 
 class Prediction(NamedTuple):
     """A mode's predicted seconds for one request: its own time to the last token, and the delay it adds to

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..controller.costs import CostModel, StreamCosts
+from ..controller.costs import CostModel
+from ..controller.curves import StreamCosts
 from ..controller.speculation import tokens_per_step
 from ..engines.base import GenRequest, SamplingParams
 from .registry import ModeRegistry, ModeState

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from modeswitch.controller.completed import Completed
-from modeswitch.controller.costs import Binding, CostModel, Curve, StreamCosts, stream_key
+from modeswitch.controller.costs import Binding, CostModel, stream_key
+from modeswitch.controller.curves import Curve, StreamCosts
 from modeswitch.resources import DEFAULT_POLICY
 from modeswitch.testing.engine import Script
 from policy_text import feats, policy_from
