@@ -10,7 +10,8 @@ import random
 import pytest
 
 from modeswitch.controller.completed import Completed
-from modeswitch.controller.learned import LearnedPolicy, OnlineLinear, tpot_x, ttft_x
+from modeswitch.controller.learned import LearnedPolicy, tpot_x, ttft_x
+from modeswitch.controller.online import OnlineLinear
 from modeswitch.yamlconf import ConfigError
 from policy_text import feats, policy_from
 
