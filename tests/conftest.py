@@ -25,7 +25,7 @@ import requests
 from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
-from modeswitch.engines.vllm.engine import vllm_installed
+from modeswitch.engines.vllm.args import vllm_installed
 from modeswitch.serving.launcher import ROOT, Launched, launch_server, wait_calibrated, wait_stopped
 from modeswitch.testing.backend import FakeBackend
 

@@ -7,7 +7,7 @@ backend it was given. Each family's module is imported only when chosen (vLLM's 
 from __future__ import annotations
 
 from ..config import BACKENDS, LoadConfig
-from ..engines.vllm.engine import vllm_installed
+from ..engines.vllm.args import vllm_installed
 from ..weights.presets import Preset
 from ..yamlconf import ConfigError
 from .base import Backend, BuiltMode, ModelInfo

@@ -24,7 +24,8 @@ import psutil
 from ..config import LoadConfig
 from ..engines.vllm import compat as vllm_compat
 from ..engines.vllm import plugin as vllm_plugin
-from ..engines.vllm.engine import VllmEngine, VllmRunner, engine_args, has_cpu_kernel, quiet_environment
+from ..engines.vllm.args import engine_args, has_cpu_kernel, quiet_environment
+from ..engines.vllm.engine import VllmEngine, VllmRunner
 from ..memory import Footprint, MemoryPlan
 from ..modes import NGRAM_MAX, NGRAM_MIN, ModeSpec
 from ..priority import BackgroundStarts

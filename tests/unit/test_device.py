@@ -38,7 +38,7 @@ def test_the_avx2_imitation_takes_away_bf16_and_the_avx512_only_vllm_kernel(monk
     import torch
 
     from modeswitch.device import cpu_has_avx512, cpu_has_bf16, native_16bit, resolve_device_dtype
-    from modeswitch.engines.vllm.engine import has_cpu_kernel
+    from modeswitch.engines.vllm.args import has_cpu_kernel
 
     monkeypatch.setenv("MODESWITCH_CPU", "avx2")
     assert not cpu_has_bf16() and not cpu_has_avx512() and native_16bit(torch.device("cpu")) is None

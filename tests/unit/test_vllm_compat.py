@@ -12,7 +12,7 @@ import torch
 
 from modeswitch.engines.vllm import compat
 from modeswitch.engines.vllm.drafting import bounded_drafts, sampled_rows
-from modeswitch.engines.vllm.engine import vllm_installed
+from modeswitch.engines.vllm.args import vllm_installed
 
 needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed")
 
