@@ -3,8 +3,8 @@ engine-core process gets SIGKILL, and the time from the kill is read at each pha
 (the mode leaves the pool), the replacement's phases as vLLM's own log lines in its engine-core process time them
 (process up, weights loaded, KV cache and warm-up), the mode back in the pool, and its first answer.
 
-vLLM's engine processes log to this process's stderr, which the script sends to ``--log`` (vLLM at INFO) and reads
-back at the end.
+vLLM's engine processes log to this process's stdout and stderr, which the script sends to ``--log`` (vLLM at INFO)
+and reads back at the end; its own lines go to the terminal.
 
     .venv/bin/python benchmarks/restart_phases.py [--mode fp16] [--decode eager|auto] [--kills 1]
 """
@@ -27,7 +27,7 @@ from modeswitch.serving.launcher import ROOT  # noqa: E402
 #: vLLM's log lines that mark a phase of an engine's start (their own seconds, where they state them)
 PHASES = {
     "engine core process up": re.compile(r"Initializing a V1 LLM engine"),
-    "weights loaded": re.compile(r"Model loading took .* and ([\d.]+) seconds"),
+    "weights loaded": re.compile(r"Loading weights took ([\d.]+) seconds"),
     "KV cache, warm-up (and compile) done": re.compile(r"init engine \(profile, create kv cache, warmup model\) took "
                                                        r"([\d.]+) s"),
 }
@@ -64,8 +64,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     log = Path(args.log)
+    console = os.fdopen(os.dup(1), "w", buffering=1)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 2)  # the engine processes inherit it
+    os.dup2(fd, 1)  # the engine processes inherit both
+    os.dup2(fd, 2)
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
 
     from modeswitch.config import LoadConfig
@@ -77,7 +79,7 @@ def main() -> int:
     load = LoadConfig(backend="vllm", device="cpu", staged=False, decode=args.decode)
     registry = ModeRegistry(PRESETS["demo"], [m for m in load_modes() if m.name == args.mode], load)
     started = time.time()
-    registry.load(progress=lambda line: print(line, flush=True))
+    registry.load(progress=lambda line: print(line, file=console))
     first_start_s = time.time() - started
     state = registry.modes[args.mode]
 
@@ -98,15 +100,16 @@ def main() -> int:
             killed = time.time()
             os.kill(pid, signal.SIGKILL)
             out: dict = {}
+            while state.available:  # the supervisor has not seen the death yet
+                time.sleep(0.02)
+            out["death_seen_s"] = round(time.time() - killed, 2)
             while not state.available:
-                if "death_seen_s" not in out and state.status != "available":
-                    out["death_seen_s"] = round(time.time() - killed, 2)
                 time.sleep(0.02)
             out["serving_again_s"] = round(time.time() - killed, 1)
             out["first_answer_s"] = round(out["serving_again_s"] + answer_s(), 1)
             out["vllm_phases"] = phases_in(log, killed)
             kills.append(out)
-            print(out, flush=True)
+            print(out, file=console)
     finally:
         registry.close()
     phase_rows = [f"| {name} | {p['at_s']} | {p['own_s'] if p['own_s'] is not None else ''} |"
@@ -116,13 +119,13 @@ def main() -> int:
         f"| death seen, mode out of the pool | {kills[0]['death_seen_s']} | |", *phase_rows,
         f"| mode serving again | {kills[0]['serving_again_s']} | |",
         f"| first answer | {kills[0]['first_answer_s']} | |"])
-    print(table, flush=True)
+    print(table, file=console)
     stem = save_results(args.out, "restart_phases_demo", args.tag or f"{args.mode}-{args.decode}",
                         {"processor": processor(), "args": vars(args), "first_start_s": round(first_start_s, 1),
                          "kills": kills},
                         f"# Restart phases ({processor()}, mode {args.mode}, decode {args.decode}; first start "
                         f"{first_start_s:.0f} s)\n\n{table}\n")
-    print(f"wrote {stem}.json/.md", flush=True)
+    print(f"wrote {stem}.json/.md", file=console)
     return 0
 
 
