@@ -159,10 +159,14 @@ class CostModel:
         self._modes = {mode: (stream, binding.lanes.get(mode, ""), binding.engines.get(mode, mode),
                               binding.slots.get(mode, 1) or 1, mode in binding.drafting)
                        for mode, stream in binding.streams.items()}
+        #: engine -> (its plain stream, its weights), for the engines with a plain mode (``_idle_engines``)
+        self._plain: dict[str, tuple[str, str]] = {}
         for mode, engine in binding.engines.items():
             self._engine_lane[engine] = binding.lanes.get(mode, "")
             if engine not in self._engine_stream or mode not in binding.drafting:
                 self._engine_stream[engine] = binding.streams.get(mode, engine)
+            if mode not in binding.drafting and mode in binding.streams:
+                self._plain[engine] = (binding.streams[mode], (binding.weights or {}).get(mode, ""))
 
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
@@ -409,14 +413,11 @@ class CostModel:
         still may). Engines on the same weights are not compared: what tells them apart is what a request
         finds there (a cached prefix, drafting), which its prediction already weighs. Worked out when a curve or
         the binding changes, not per decision."""
-        b = self.binding
-        weights = b.weights or {}
-        plain: dict[str, tuple[Curve, str, str]] = {}  # engine -> its plain step curve, lane, weights
-        for mode, engine in b.engines.items():
-            stream = b.streams.get(mode)
-            costs = self._streams.get(stream) if stream is not None and mode not in b.drafting else None
+        plain: dict[str, tuple[Curve, str, str]] = {}  # engine -> its measured plain step curve, lane, weights
+        for engine, (stream, kind) in self._plain.items():
+            costs = self._streams.get(stream)
             if costs is not None and costs.step.measured:
-                plain[engine] = (costs.step, self._engine_lane.get(engine, ""), weights.get(mode, ""))
+                plain[engine] = (costs.step, self._engine_lane.get(engine, ""), kind)
         idle = set()
         for engine, (curve, lane, kind) in plain.items():
             loads = [x for x, _, _ in curve.dump()]
