@@ -302,7 +302,12 @@ class CostModel:
                 lane = lanes.get(m, "")
                 queued[lane] = queued.get(lane, 0) + n
         totals: dict[str, tuple[int, int]] = {}  # lane -> requests, and prompt tokens not computed, on lanes near it
-        turns: dict[str, float] = {}  # engine -> its wait each step for the other busy engines near it
+        # each busy engine's step at its load, read once: what the engines beside it wait for each step
+        busy: dict[str, tuple[str, float]] = {}  # engine -> (its lane, seconds per step now)
+        for engine, n in on_engine.items():
+            costs = streams.get(self._engine_stream.get(engine, engine))
+            busy[engine] = (self._engine_lane.get(engine, ""), (costs.step.at(n) or 0.0) if costs is not None else 0.0)
+        turns: dict[str, float] = {}  # lane -> one step of every busy engine near it
 
         def near_lane(lane: str) -> tuple[int, int]:
             if lane not in totals:
@@ -313,14 +318,11 @@ class CostModel:
         def beside(engine: str, lane: str) -> float:
             """Seconds a step of ``engine`` waits for the other busy engines on its lane: one step each (engines
             sharing cores take turns; an engine not measured yet is counted at nothing)."""
-            if engine not in turns:
-                close, total = near.get(lane, ("",)), 0.0
-                for other, n in on_engine.items():
-                    if other != engine and self._engine_lane.get(other, "") in close:
-                        costs = streams.get(self._engine_stream.get(other, other))
-                        total += (costs.step.at(n) or 0.0) if costs is not None else 0.0
-                turns[engine] = total
-            return turns[engine]
+            close = near.get(lane, ("",))
+            if lane not in turns:
+                turns[lane] = sum(step for other_lane, step in busy.values() if other_lane in close)
+            own_lane, own = busy.get(engine, ("", 0.0))
+            return turns[lane] - own if engine in busy and own_lane in close else turns[lane]
 
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching

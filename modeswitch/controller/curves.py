@@ -35,14 +35,19 @@ class _Point:
         self.y += (y - self.y) * w
 
 
+#: values a curve keeps read (prompt lengths vary widely; loads repeat): past this it starts over
+MAX_READS = 1024
+
+
 class Curve:
     """Seconds against a size, in log2 buckets; :meth:`at` interpolates between the measured ones."""
 
     def __init__(self) -> None:
         self._points: dict[int, _Point] = {}
-        #: the measured buckets' mean sizes, ascending, and their mean seconds: one tuple, replaced whole, so a
-        #: reader on another thread never sees the sizes of one update with the seconds of another
-        self._xy: tuple[list[float], list[float]] = ([], [])
+        #: the measured buckets' mean sizes, ascending, their mean seconds, and the values read from them so far:
+        #: one tuple, replaced whole, so a reader on another thread never sees the sizes of one update with the
+        #: seconds (or the values read) of another
+        self._xy: tuple[list[float], list[float], dict[float, float]] = ([], [], {})
 
     def add(self, size: float, seconds: float) -> None:
         if seconds < 0 or not math.isfinite(seconds):
@@ -52,7 +57,7 @@ class Curve:
 
     def _index(self) -> None:
         points = [p for _, p in sorted(self._points.items())]
-        self._xy = ([p.x for p in points], [p.y for p in points])
+        self._xy = ([p.x for p in points], [p.y for p in points], {})
 
     @property
     def measured(self) -> bool:
@@ -60,10 +65,19 @@ class Curve:
 
     def at(self, size: float) -> float | None:
         """The seconds at ``size``: interpolated between the measured buckets around it, flat below the first,
-        extended on the slope of the last two above the last (flat with one); None when nothing is measured."""
-        xs, ys = self._xy
-        if not xs:
-            return None
+        extended on the slope of the last two above the last (flat with one); None when nothing is measured.
+        A decision reads the same few sizes (loads, prompt lengths) of a curve again and again until the next
+        sample changes it: each is interpolated once."""
+        xs, ys, read = self._xy
+        value = read.get(size)
+        if value is None and xs:
+            if len(read) >= MAX_READS:
+                read.clear()
+            value = read[size] = self._interpolate(xs, ys, size)
+        return value
+
+    @staticmethod
+    def _interpolate(xs: list[float], ys: list[float], size: float) -> float:
         i = bisect.bisect_left(xs, size)
         if i == 0:
             return ys[0]

@@ -29,6 +29,7 @@ def test_a_curve_interpolates_between_measured_buckets_and_extends_the_last_slop
     assert curve.at(0.5) == pytest.approx(0.010)  # flat below the first
     assert curve.at(8) == pytest.approx(0.016 + 0.002 * 4)  # the last slope beyond the last
     assert curve.samples(4) == 1 and curve.samples(16) == 0
+    assert curve.at(5) == pytest.approx(0.018)  # read once before the samples below: a sample changes what is read
     for _ in range(200):  # a bucket follows its recent samples
         curve.add(5, 0.050)
     assert curve.at(5) == pytest.approx(0.050, rel=0.01)
@@ -89,6 +90,8 @@ def test_engines_sharing_a_lane_take_turns_and_an_unpinned_engine_shares_every_l
         costs.add_step(m, 2, 2 * step)
     shared = costs.predict("a", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"b": 2}))
     assert shared.decode_s == pytest.approx(10 * (0.01 + 0.06)) and shared.delay_s == pytest.approx(2 * 10 * 0.01)
+    both = costs.predict("a", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"a": 1, "b": 2}))
+    assert both.decode_s == pytest.approx(10 * (0.02 + 0.06))  # its own step at 2, and b's, not its own twice
     assert costs.predict("c", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"b": 2})).total == \
         pytest.approx(10 * 0.02)  # another core's engines are not its own
     unpinned = costs.predict("u", feats(prompt_tokens=10, max_tokens=11, in_flight_by_mode={"c": 1}))
