@@ -41,7 +41,8 @@ from make_random_llama import SHAPES  # noqa: E402
 
 from modeswitch.backends.checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE  # noqa: E402
 from modeswitch.energy import open_meter  # noqa: E402
-from modeswitch.engines.base import GenRequest, SamplingParams  # noqa: E402
+from modeswitch.engines.base import GenRequest  # noqa: E402
+from modeswitch.sampling_params import SamplingParams  # noqa: E402
 from modeswitch.engines.static.drafts import NgramDrafter  # noqa: E402
 from modeswitch.engines.transformers.engines import ContinuousBatchingEngine  # noqa: E402
 from modeswitch.engines.transformers.prefix_kv import PrefixKVStore  # noqa: E402

@@ -115,7 +115,7 @@ def decision_loop(server_args: list[str], n: int = 20000) -> dict:
     """Controller cost in-process: the real registry and policy, varied features, n decisions."""
     import random
 
-    from modeswitch.engines.base import SamplingParams
+    from modeswitch.sampling_params import SamplingParams
     from modeswitch.compose import build_service
     from modeswitch.server import build_parser, config_from_args
 

@@ -84,7 +84,8 @@ def main() -> int:
     os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
 
     from modeswitch.config import LoadConfig
-    from modeswitch.engines.base import GenRequest, SamplingParams
+    from modeswitch.engines.base import GenRequest
+    from modeswitch.sampling_params import SamplingParams
     from modeswitch.modes import load_modes
     from modeswitch.serving.registry import ModeRegistry
     from modeswitch.weights.presets import PRESETS

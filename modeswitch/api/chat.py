@@ -9,7 +9,7 @@ from ..engines.base import TokenLogprobs
 from . import tools
 from .context import ctx
 from .errors import ApiError
-from .generation import admitted, decoding, json_logprob, limit_tokens, respond, start_all, validated
+from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
 from .hermes import Piece, ToolCallStream
 from .schemas import ChatBody
 
@@ -32,9 +32,9 @@ def _chat_completions():
     except Exception as exc:  # templates may reject role orders
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}", param="messages") from None
     forced = tools.constraint(req)
-    params = decoding(req, forced or req.constraint(),
-                      "tools" if forced else "structured_outputs" if req.structured_outputs else "response_format",
-                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    params = req.to_sampling_params(
+        len(tokenizer), forced or req.constraint(),
+        "tools" if forced else "structured_outputs" if req.structured_outputs else "response_format")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     gens = start_all([(prompt_ids, limit_tokens(prompt_ids, max_tokens, DEFAULT_MAX_TOKENS))], req, params)
     return respond(gens, req, "chat.completion", _Shape(req))

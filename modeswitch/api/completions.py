@@ -7,7 +7,7 @@ from flask import Blueprint
 from ..engines.base import TokenLogprobs
 from .context import ctx
 from .errors import ApiError
-from .generation import admitted, decoding, json_logprob, limit_tokens, respond, start_all, validated
+from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
 from .schemas import CompletionBody
 
 bp = Blueprint("completions", __name__)
@@ -24,9 +24,8 @@ def _completions():
     tokenizer = ctx().service.tokenizer
     vocab = len(tokenizer)
     constraint = req.constraint()
-    params = decoding(req, constraint, "structured_outputs" if req.structured_outputs else "response_format",
-                      logprobs=None if req.scoring else req.logprobs,
-                      prompt_logprobs=req.logprobs if req.scoring else None)
+    params = req.to_sampling_params(vocab, constraint,
+                                    "structured_outputs" if req.structured_outputs else "response_format")
     planned, echoes = [], []
     for prompt in req.prompts:  # every prompt is checked before any generation starts
         if isinstance(prompt, str):

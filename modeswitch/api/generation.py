@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterator, Protocol
 from flask import Response, jsonify, request, stream_with_context
 
 from ..controller.decide import NoEligibleMode
-from ..engines.base import Constraint, SamplingParams, TokenLogprobs
-from ..engines.grammar import grammar
+from ..engines.base import TokenLogprobs
+from ..sampling_params import SamplingParams
 from ..serving.admission import Refused
 from ..serving.service import Generation, GenerationError
 from .context import ctx
@@ -58,32 +58,6 @@ def limit_tokens(prompt_ids: list[int], max_tokens: int | None, default: int) ->
         raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds this "
                        f"model's context of {ctx_len} tokens", param="max_tokens", code="context_length_exceeded")
     return max_tokens
-
-
-def decoding(req, constraint: Constraint | None, param: str, logprobs: int | None = None,
-             prompt_logprobs: int | None = None) -> SamplingParams:
-    """The request's decoding options (``max_tokens`` is set per prompt by :func:`start_all`), every id checked
-    against the vocabulary and the grammar parsed, so a bad one is a 400 before anything starts; ``param``
-    names the field the constraint came from."""
-    vocab = len(ctx().service.tokenizer)
-    bias = []
-    for key, value in (req.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
-            raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias")
-        bias.append((int(key), value))
-    if any(t >= vocab for t in req.stop_token_ids or ()):
-        raise ApiError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
-    if constraint is not None:
-        try:
-            grammar(constraint)
-        except ValueError as exc:
-            raise ApiError(400, f"{param}: {exc}", param=param) from None
-    return SamplingParams(
-        max_tokens=1, temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
-        seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, logit_bias=tuple(bias), min_tokens=req.min_tokens,
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, logprobs=logprobs,
-        constraint=constraint, prompt_logprobs=prompt_logprobs)
 
 
 def start_all(prompts: list[tuple[list[int], int]], req, params: SamplingParams) -> list[Generation]:

@@ -9,11 +9,13 @@ refused with the reason (:data:`REFUSED`). The published schema (``/openapi.json
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..engines.base import Constraint
+from ..engines.grammar import grammar
+from ..sampling_params import Constraint, SamplingParams
 from .errors import ApiError
 
 MAX_STOP = 4
@@ -198,6 +200,35 @@ class _Body(_Strict):
             return self.structured_outputs.constraint()
         return self.response_format.constraint() if self.response_format is not None else None
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(alternatives per generated token, alternatives per prompt token): None where not asked for."""
+        return None, None
+
+    def to_sampling_params(self, vocab: int, constraint: Constraint | None = None,
+                           param: str = "structured_outputs") -> SamplingParams:
+        """The request's decoding options (``max_tokens`` is set per prompt when generations start). Every
+        :class:`SamplingParams` field this body has under the same name is taken as it is, so a new option is a
+        field here and there; the few whose shape differs are converted below. Token ids are checked against the
+        vocabulary and ``constraint`` (the output's grammar; ``param``: the field it came from) is parsed, so a bad
+        one is a 400 before anything starts."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise ApiError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", param="logit_bias")
+            bias.append((int(key), value))
+        if any(t >= vocab for t in self.stop_token_ids or ()):
+            raise ApiError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
+        if constraint is not None:
+            try:
+                grammar(constraint)
+            except ValueError as exc:
+                raise ApiError(400, f"{param}: {exc}", param=param) from None
+        logprobs, prompt_logprobs = self.logprob_counts()
+        same = {f.name: getattr(self, f.name) for f in fields(SamplingParams) if f.name in type(self).model_fields}
+        return SamplingParams(**{**same, "max_tokens": 1, "top_k": max(self.top_k, 0), "logit_bias": tuple(bias),
+                                 "stop_token_ids": tuple(self.stop_token_ids or ()), "logprobs": logprobs,
+                                 "prompt_logprobs": prompt_logprobs, "constraint": constraint})
+
 
 MAX_PROMPTS = 64
 
@@ -221,6 +252,10 @@ class CompletionBody(_Body):
     @property
     def scoring(self) -> bool:
         return self.logprobs is not None and self.echo
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """``logprobs`` alternatives per generated token, or per prompt token when scoring (echo)."""
+        return (None, self.logprobs) if self.scoring else (self.logprobs, None)
 
     @property
     def prompts(self) -> list:
@@ -325,6 +360,10 @@ class ChatBody(_Body):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return self.tool_choice or "auto"
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """With ``logprobs``, ``top_logprobs`` alternatives per generated token (0: the token's own logprob only)."""
+        return ((self.top_logprobs or 0) if self.logprobs else None), None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from ..engines.base import Constraint
+from ..sampling_params import Constraint
 from .hermes import ToolCallStream, call_id
 from .schemas import ChatBody
 

@@ -12,7 +12,7 @@ import functools
 import json
 import threading
 
-from .base import Constraint
+from ..sampling_params import Constraint
 
 
 #: what ``json_object`` asks for: a JSON object, as OpenAI defines it (xgrammar's built-in JSON grammar, which vLLM

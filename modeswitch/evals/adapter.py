@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..compose import all_shipped_modes, build_service
 from ..config import NO_GATE, LoadConfig, ServerConfig
 from ..controller.rules import RulePolicy
-from ..engines.base import SamplingParams
+from ..sampling_params import SamplingParams
 from ..modes import ModeSpec
 
 #: scoring requests a derived scoring mode takes at once: a batching engine (vLLM) scores them in one batch

@@ -32,7 +32,8 @@ from typing import Callable
 from ..controller.costs import CostModel
 from ..controller.curves import StreamCosts
 from ..controller.speculation import tokens_per_step
-from ..engines.base import GenRequest, SamplingParams
+from ..engines.base import GenRequest
+from ..sampling_params import SamplingParams
 from .registry import ModeRegistry, ModeState
 
 log = logging.getLogger(__name__)

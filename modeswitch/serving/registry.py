@@ -21,7 +21,8 @@ from ..backends.base import Progress
 from ..config import LoadConfig
 from ..device import device_type, free_memory, process_tree_memory
 from ..energy import EnergyAccountant, meter_for
-from ..engines.base import OPTIONS, Engine, GenRequest, SamplingParams
+from ..engines.base import Engine, GenRequest
+from ..sampling_params import OPTIONS, SamplingParams
 from ..memory import MemoryPlan, fmt
 from ..modes import ModeSpec
 from ..weights.precision import mismatch

@@ -21,7 +21,8 @@ from ..controller.costs import Binding, stream_key
 from ..controller.speculation import REPLAY_K, SpeculationModel
 from ..controller.verdicts import Code
 from ..device import machine, memory_headroom
-from ..engines.base import Event, GenRequest, QueueFull, SamplingParams, TokenLogprobs
+from ..engines.base import Event, GenRequest, QueueFull, TokenLogprobs
+from ..sampling_params import SamplingParams
 from .metrics import Metrics
 from .registry import ModeRegistry
 

@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.base import OPTIONS, Engine, GenRequest, TokenLogprobs
+from ..engines.base import Engine, GenRequest, TokenLogprobs
+from ..sampling_params import OPTIONS
 from ..engines.radix import RadixTree
 from ..modes import ModeSpec
 

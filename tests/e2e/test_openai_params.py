@@ -18,7 +18,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from modeswitch.api import tools
 from modeswitch.api.errors import ApiError
 from modeswitch.api.schemas import ChatBody, parse
-from modeswitch.engines.base import SamplingParams
+from modeswitch.sampling_params import SamplingParams
 from modeswitch.engines.transformers.processors import Decoding
 from modeswitch.testing.engine import Script
 from openai_checks import assert_most_likely

@@ -17,7 +17,7 @@ import pytest
 import requests
 from openai import BadRequestError, OpenAI
 
-from modeswitch.engines.base import OPTIONS
+from modeswitch.sampling_params import OPTIONS
 from modeswitch.serving.launcher import ROOT
 from openai_checks import assert_most_likely
 

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from modeswitch.backends.transformers import TransformersBackend
 from modeswitch.config import LoadConfig
 from modeswitch.device import resolve_device_dtype
-from modeswitch.engines.base import GenRequest, SamplingParams
+from modeswitch.engines.base import GenRequest
+from modeswitch.sampling_params import SamplingParams
 from modeswitch.engines.static.drafts import ModelDrafter, NgramDrafter
 from modeswitch.engines.transformers.prefix_kv import PrefixKVStore
 from modeswitch.engines.static.sampling import accept, probabilities
@@ -243,7 +244,7 @@ def test_decode_compiled_builds_cpu_modes_on_the_loop(demo, tok):
 def test_loop_honours_the_request_options_as_generate_does(demo, tok, engines):
     """The owned loop runs the same logits processors as the ``generate()`` engine: a grammar, a logit bias,
     logprobs, a seed; a drafting loop refuses what its verify step cannot apply."""
-    from modeswitch.engines.base import Constraint
+    from modeswitch.sampling_params import Constraint
     from modeswitch.engines.grammar import Grammars
     from modeswitch.engines.transformers.engines import GenerateEngine
 

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from modeswitch.backends.base import SUPERVISE_S
 from modeswitch.config import LoadConfig
-from modeswitch.engines.base import GenRequest, SamplingParams
+from modeswitch.engines.base import GenRequest
+from modeswitch.sampling_params import SamplingParams
 from modeswitch.modes import load_modes
 from modeswitch.serving.metrics import Metrics
 from modeswitch.serving.registry import ModeRegistry

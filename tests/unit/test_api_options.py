@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from modeswitch.engines.base import OPTIONS
+from modeswitch.sampling_params import OPTIONS
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -71,3 +71,31 @@ def test_each_response_says_which_options_were_honoured_and_which_had_no_effect(
     chunks = sse(app.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True, "user": "u"}))
     blocks = [c["modeswitch"] for c in chunks if "modeswitch" in c]
     assert blocks and all(b["honoured"] == ["max_tokens", "stream"] and b["no_effect"] == ["user"] for b in blocks)
+
+
+def test_a_request_body_carries_every_decoding_option_into_the_engines_parameters():
+    """``to_sampling_params`` takes every :class:`SamplingParams` field the body has under the same name: each option
+    set to a value other than its default arrives as it was sent (an option added to both without a conversion the
+    shapes need would fail here), and ids outside the vocabulary are a 400 naming the field."""
+    from dataclasses import fields
+
+    from modeswitch.api.errors import ApiError
+    from modeswitch.api.schemas import ChatBody, CompletionBody, parse
+    from modeswitch.sampling_params import Constraint, SamplingParams
+
+    sent = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "presence_penalty": 0.5,
+            "frequency_penalty": 0.25, "repetition_penalty": 1.1, "logit_bias": {"7": 2.0}, "min_tokens": 2,
+            "stop_token_ids": [9], "ignore_eos": True}
+    regex = Constraint("regex", "[a-z]+")
+    params = parse(CompletionBody, {"prompt": "Hi", "logprobs": 2, **sent}).to_sampling_params(100, regex)
+    expected = {**sent, "logit_bias": ((7, 2.0),), "stop_token_ids": (9,), "logprobs": 2, "constraint": regex}
+    assert {f.name: getattr(params, f.name) for f in fields(SamplingParams)} == {
+        "max_tokens": 1, "prompt_logprobs": None, **expected}
+    scoring = parse(CompletionBody, {"prompt": "Hi", "logprobs": 1, "echo": True, "max_tokens": 1})
+    assert (scoring.to_sampling_params(100).logprobs, scoring.to_sampling_params(100).prompt_logprobs) == (None, 1)
+    chat = parse(ChatBody, {"messages": CHAT, "logprobs": True, "top_logprobs": 3, "top_k": -1})
+    assert (chat.to_sampling_params(100).logprobs, chat.to_sampling_params(100).top_k) == (3, 0)
+    for field, value in (("logit_bias", {"100": 1.0}), ("stop_token_ids", [100])):
+        with pytest.raises(ApiError) as err:
+            parse(CompletionBody, {"prompt": "Hi", field: value}).to_sampling_params(100)
+        assert err.value.status == 400 and err.value.param == field

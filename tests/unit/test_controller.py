@@ -18,7 +18,7 @@ from modeswitch.controller.completed import Completed
 from modeswitch.controller.decide import Controller, NoEligibleMode
 from modeswitch.controller.quality import QualityPolicy, judge
 from modeswitch.controller.verdicts import PRECEDENCE, Code, Verdict, most_hopeful
-from modeswitch.engines.base import OPTIONS
+from modeswitch.sampling_params import OPTIONS
 from modeswitch.evals.gate import mark, render
 from modeswitch.serving.metrics import Metrics
 from policy_text import MODES, feats, policy_from

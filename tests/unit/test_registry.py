@@ -11,7 +11,8 @@ from modeswitch.backends.base import BuiltMode, KernelUnavailable, ModelInfo
 from modeswitch.backends.fallback import FallbackBackend
 from modeswitch.backends.starts import StartHistory
 from modeswitch.config import LoadConfig
-from modeswitch.engines.base import OPTIONS, Engine, GenRequest, SamplingParams
+from modeswitch.engines.base import Engine, GenRequest
+from modeswitch.sampling_params import OPTIONS, SamplingParams
 from modeswitch.memory import Footprint, MemoryBudgetExceeded, MemoryPlan
 from modeswitch.weights.presets import PRESETS
 from modeswitch.modes import ModeSpec

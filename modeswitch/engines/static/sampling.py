@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import SamplingParams
+from ...sampling_params import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

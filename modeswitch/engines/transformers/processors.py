@@ -26,7 +26,8 @@ from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper)
 
-from ..base import SamplingParams, TokenLogprobs
+from ..base import TokenLogprobs
+from ...sampling_params import SamplingParams
 from ..grammar import Grammars
 
 

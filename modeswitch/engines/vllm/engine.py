@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ...device import processes_memory
-from ..base import (OPTIONS, Engine, GenRequest, KvUse, SamplingParams, TokenLogprobs, paged_tokens,
-                    spec_tokens_per_step, stalled)
+from ..base import Engine, GenRequest, KvUse, TokenLogprobs, paged_tokens, spec_tokens_per_step, stalled
+from ...sampling_params import OPTIONS, SamplingParams
 from ..grammar import JSON_OBJECT
 from . import compat, drafting, plugin
 from .paged_prefix import PagedPrefixShadow
