@@ -6,11 +6,11 @@ engine-core process gets SIGKILL, and the time from the kill is read at each pha
 vLLM's engine processes log to this process's stdout and stderr, which the script sends to ``--log`` (vLLM at INFO)
 and reads back at the end; its own lines go to the terminal.
 
-With ``--load N``, N client threads keep requests on the mode throughout (each submits the next once its last has
-ended, while the mode is up; half a second after a failure), and every request's outcome is counted: per kill, the requests in flight when it
-died and how each ended (``done``, an ``error`` event, or ``unanswered`` after ``--timeout``); ``--every`` spaces
-the kills (seconds from one kill to the next), so a run shows whether an engine killed again and again keeps
-coming back.
+With ``--load N``, N client threads keep requests on the mode throughout (each submits the next once its last
+has ended, while the mode is up; half a second after a failure), and every request's outcome is counted: per kill,
+the requests in flight when it died and how each ended (``done``, an ``error`` event, or ``unanswered`` after
+``--timeout``); ``--every`` spaces the kills (seconds from one kill to the next), so a run shows whether an engine
+killed again and again keeps coming back.
 
     .venv/bin/python benchmarks/restart_phases.py [--mode fp16] [--decode eager|auto] [--kills 1]
                                                   [--load 0] [--every 0] [--timeout 120]
