@@ -16,6 +16,7 @@ from flask import Blueprint, jsonify, request
 from ..yamlconf import ConfigError
 from .context import ctx
 from .errors import ApiError
+from .openapi import GateInfo, Operation, PolicyInfo, route
 from .schemas import PolicyReload, parse
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def reload_path(dirs: tuple[Path, ...], suffixes: tuple[str, ...], what: str) ->
     return confined(given, dirs, suffixes, what) if given else None
 
 
-@bp.post("/gate")
+@route(bp, "post", "/gate", Operation("Reload the quality gate report; a broken file changes nothing", GateInfo,
+                                     PolicyReload, body_required=False, errors=(400, 403)))
 def reload_gate():
     """Re-read the quality gate report (or another report in the reports directories)."""
     c = ctx()
@@ -69,12 +71,14 @@ def reload_gate():
                     "modes": sorted(report["modes"])})
 
 
-@bp.get("/policy")
+@route(bp, "get", "/policy", Operation("The routing policy in force", PolicyInfo, errors=(403,)))
 def get_policy():
     return jsonify(ctx().service.controller.policy.describe())
 
 
-@bp.post("/policy")
+@route(bp, "post", "/policy", Operation("Reload the policy (its file, or another in the policy directories); a "
+                                       "broken file changes nothing", PolicyInfo, PolicyReload,
+                                       body_required=False, errors=(400, 403)))
 def reload_policy():
     c = ctx()
     try:

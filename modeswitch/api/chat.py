@@ -11,13 +11,15 @@ from .context import ctx
 from .errors import ApiError
 from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
 from .hermes import Piece, ToolCallStream
+from .openapi import ChatCompletion, Operation, route
 from .schemas import ChatBody
 
 bp = Blueprint("chat", __name__)
 DEFAULT_MAX_TOKENS = 256
 
 
-@bp.post("/v1/chat/completions")
+@route(bp, "post", "/v1/chat/completions", Operation("Chat completion (OpenAI-compatible)", ChatCompletion, ChatBody,
+                                                            errors=(400, 404, 413, 429, 503), stream=True))
 def chat_completions():
     return admitted(_chat_completions)
 

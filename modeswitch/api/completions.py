@@ -8,13 +8,15 @@ from ..engines.base import TokenLogprobs
 from .context import ctx
 from .errors import ApiError
 from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
+from .openapi import Completion, Operation, route
 from .schemas import CompletionBody
 
 bp = Blueprint("completions", __name__)
 DEFAULT_MAX_TOKENS = 16
 
 
-@bp.post("/v1/completions")
+@route(bp, "post", "/v1/completions", Operation("Text completion (OpenAI-compatible)", Completion, CompletionBody,
+                                                       errors=(400, 404, 413, 429, 503), stream=True))
 def completions():
     return admitted(_completions)
 

@@ -1,17 +1,18 @@
 """The published API schema (``GET /openapi.json``), built from the same pydantic models that validate requests.
 
-Request bodies come straight from :mod:`.schemas`, so the schema cannot drift from validation; response
-models below describe what the routes return, and the fuzz tests (schemathesis) check every response
-against them.
+Each route declares what the document says of it where it is defined (:func:`route`: the Flask route and its
+:class:`Operation` in one decorator), so a new route is one place and cannot go undocumented. Request bodies come
+straight from :mod:`.schemas`, so the schema cannot drift from validation; response models below describe what the
+routes return, and the fuzz tests (schemathesis) check every response against them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
 
+from flask import Blueprint
 from pydantic import BaseModel, ConfigDict, Field
-
-from .schemas import ChatBody, CompletionBody, DetokenizeBody, PolicyReload, TokenizeBody
 
 REF = "#/components/schemas/{model}"
 #: One server-sent event: ``data`` is a JSON chunk (the completion's shape, with deltas) or ``[DONE]``.
@@ -195,60 +196,63 @@ def _errors(components: dict, *codes: int) -> dict:
     return {str(c): {"description": "error", "content": {"application/json": {"schema": ref}}} for c in codes}
 
 
+@dataclass(frozen=True)
+class Operation:
+    """What the document says of one route's method."""
+
+    summary: str
+    #: the JSON answer's model (None: ``content`` says what it answers)
+    out: type[BaseModel] | None = None
+    body: type[BaseModel] | None = None
+    body_required: bool = True
+    #: error statuses it answers with an OpenAI-style error (401 is added where a key is required)
+    errors: tuple[int, ...] = ()
+    #: it also answers server-sent events (``stream: true``)
+    stream: bool = False
+    #: a non-JSON answer: media type -> schema
+    content: dict[str, dict] | None = None
+    #: open without the API key
+    public: bool = False
+    #: statuses that answer with ``out`` too, with their description
+    also: tuple[tuple[int, str], ...] = ()
+
+
+#: every documented route: path -> method -> what the document says (filled as the route modules are imported)
+ROUTES: dict[str, dict[str, Operation]] = {}
+
+
+def route(bp: Blueprint, method: str, path: str, operation: Operation) -> Callable:
+    """Register a Flask route on ``bp`` and what ``/openapi.json`` says of it, in one decorator."""
+    ROUTES.setdefault((bp.url_prefix or "") + path, {})[method] = operation
+    return bp.route(path, methods=[method.upper()])
+
+
 def build_spec(auth: bool) -> dict:
     """OpenAPI 3.1 document for this server (``auth``: whether routes need a bearer token)."""
     comps: dict[str, Any] = {}
 
-    def json_ok(model: type[BaseModel], description: str = "ok") -> dict:
-        return {"200": {"description": description, "content": {"application/json": {"schema": _schema(model, comps)}}}}
+    def operation(op: Operation) -> dict:
+        if op.out is not None:
+            json = {"application/json": {"schema": _schema(op.out, comps)}}
+            content = {**json, "text/event-stream": {"schema": SSE_EVENT}} if op.stream else json
+        else:
+            content = op.content or {}
+        ok = "the answer (JSON), or SSE chunks ending in [DONE] when stream=true" if op.stream else "ok"
+        responses = {"200": {"description": ok, "content": content},
+                     **{str(status): {"description": why, "content": {"application/json": {
+                         "schema": _schema(op.out, comps)}}} for status, why in op.also}}
+        errors = (*op.errors, *([401] if auth and not op.public else []))
+        if errors:
+            responses.update(_errors(comps, *errors))
+        out: dict[str, Any] = {"summary": op.summary, "responses": responses}
+        if op.body is not None:
+            out["requestBody"] = {"required": op.body_required, "content": {
+                "application/json": {"schema": _schema(op.body, comps)}}}
+        if op.public:
+            out["security"] = []
+        return out
 
-    def generation(body: type[BaseModel], out: type[BaseModel], summary: str) -> dict:
-        return {"post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": _schema(body, comps)}}},
-            "responses": {"200": {"description": "the completion (JSON), or SSE chunks ending in [DONE] when stream=true",
-                                  "content": {"application/json": {"schema": _schema(out, comps)},
-                                              "text/event-stream": {"schema": SSE_EVENT}}},
-                          **_errors(comps, 400, 404, 413, 429, 503, *([401] if auth else []))}}}
-
-    auth_errors = _errors(comps, 401) if auth else {}
-    admin_errors = _errors(comps, 400, 403, *([401] if auth else []))  # 403: closed on an exposed bind
-    paths = {
-        "/v1/completions": generation(CompletionBody, Completion, "Text completion (OpenAI-compatible)"),
-        "/v1/chat/completions": generation(ChatBody, ChatCompletion, "Chat completion (OpenAI-compatible)"),
-        "/v1/models": {"get": {"summary": "The served model", "responses": {**json_ok(ModelList), **auth_errors}}},
-        "/v1/modes": {"get": {"summary": "Every mode: status, reason, statistics, memory",
-                              "responses": {**json_ok(ModeList), **auth_errors}}},
-        "/health": {"get": {"summary": "Liveness; 503 when no mode can serve", "security": [],
-                            "responses": {**json_ok(Health), "503": {"description": "no mode available", "content": {
-                                "application/json": {"schema": _schema(Health, comps)}}}}}},
-        "/admin/policy": {
-            "get": {"summary": "The routing policy in force",
-                    "responses": {**json_ok(PolicyInfo), **_errors(comps, 403, *([401] if auth else []))}},
-            "post": {"summary": "Reload the policy (its file, or another in the policy directories); a broken file "
-                             "changes nothing",
-                     "requestBody": {"required": False, "content": {
-                         "application/json": {"schema": _schema(PolicyReload, comps)}}},
-                     "responses": {**json_ok(PolicyInfo), **admin_errors}}},
-        "/admin/gate": {
-            "post": {"summary": "Reload the quality gate report; a broken file changes nothing",
-                     "requestBody": {"required": False, "content": {
-                         "application/json": {"schema": _schema(PolicyReload, comps)}}},
-                     "responses": {**json_ok(GateInfo), **admin_errors}}},
-        "/tokenize": {"post": {"summary": "Token ids of a text (vLLM's shape)", "requestBody": {"required": True,
-                      "content": {"application/json": {"schema": _schema(TokenizeBody, comps)}}},
-                      "responses": {**json_ok(Tokens), **_errors(comps, 400, *([401] if auth else []))}}},
-        "/detokenize": {"post": {"summary": "Text of token ids", "requestBody": {"required": True,
-                        "content": {"application/json": {"schema": _schema(DetokenizeBody, comps)}}},
-                        "responses": {**json_ok(Detokenized), **_errors(comps, 400, *([401] if auth else []))}}},
-        "/tokenizer_info": {"get": {"summary": "Special tokens, chat template, context length",
-                                    "responses": {**json_ok(TokenizerInfo), **auth_errors}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics (text exposition format)", "responses": {"200": {
-            "description": "metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}, **auth_errors}}},
-        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
-            "description": "OpenAPI document", "content": {"application/json": {"schema": {"type": "object"}}}},
-            **auth_errors}}},
-    }
+    paths = {path: {method: operation(op) for method, op in methods.items()} for path, methods in ROUTES.items()}
     spec: dict[str, Any] = {"openapi": "3.1.0", "info": {"title": "ModeSwitch", "version": "0.1.0"},
                             "paths": paths, "components": {"schemas": comps}}
     if auth:

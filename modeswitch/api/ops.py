@@ -10,13 +10,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .context import ctx
 from .errors import ApiError
 from .generation import body
-from .openapi import build_spec
+from .openapi import (Detokenized, Health, ModeList, ModelList, Operation, TokenizerInfo, Tokens, build_spec,
+                      route)
 from .schemas import DetokenizeBody, TokenizeBody, parse
 
 bp = Blueprint("ops", __name__)
 
 
-@bp.get("/health")
+@route(bp, "get", "/health", Operation("Liveness; 503 when no mode can serve", Health, public=True,
+                                    also=((503, "no mode available"),)))
 def health():
     c = ctx()
     registry = c.service.registry
@@ -31,12 +33,14 @@ def health():
                     "draining": c.admission.draining}), status
 
 
-@bp.get("/metrics")
+@route(bp, "get", "/metrics", Operation("Prometheus metrics (text exposition format)",
+                                     content={"text/plain": {"schema": {"type": "string"}}}))
 def metrics():
     return Response(ctx().service.metrics.render(), mimetype=CONTENT_TYPE_LATEST)
 
 
-@bp.get("/openapi.json")
+@route(bp, "get", "/openapi.json", Operation("This document",
+                                          content={"application/json": {"schema": {"type": "object"}}}))
 def openapi():
     return jsonify(_spec(bool(ctx().http.api_key)))
 
@@ -47,7 +51,7 @@ def _spec(auth: bool) -> dict:
     return build_spec(auth=auth)
 
 
-@bp.get("/v1/models")
+@route(bp, "get", "/v1/models", Operation("The served model", ModelList))
 def models():
     c = ctx()
     return jsonify({"object": "list", "data": [{"id": c.service.model_name, "object": "model", "created": c.started,
@@ -55,7 +59,7 @@ def models():
                                                 "max_model_len": c.service.registry.context_length}]})
 
 
-@bp.get("/v1/modes")
+@route(bp, "get", "/v1/modes", Operation("Every mode: status, reason, statistics, memory", ModeList))
 def modes():
     service = ctx().service
     controller = service.controller
@@ -82,7 +86,7 @@ def modes():
 
 
 # ---------------------------------------------------------------- tokenizer (vLLM's shapes, as lm-eval probes)
-@bp.post("/tokenize")
+@route(bp, "post", "/tokenize", Operation("Token ids of a text (vLLM's shape)", Tokens, TokenizeBody, errors=(400,)))
 def tokenize():
     service = ctx().service
     req = parse(TokenizeBody, body())
@@ -90,7 +94,7 @@ def tokenize():
     return jsonify({"tokens": tokens, "count": len(tokens), "max_model_len": service.registry.context_length})
 
 
-@bp.post("/detokenize")
+@route(bp, "post", "/detokenize", Operation("Text of token ids", Detokenized, DetokenizeBody, errors=(400,)))
 def detokenize():
     tokenizer = ctx().service.tokenizer
     req = parse(DetokenizeBody, body())
@@ -100,7 +104,7 @@ def detokenize():
     return jsonify({"prompt": tokenizer.decode(req.tokens)})
 
 
-@bp.get("/tokenizer_info")
+@route(bp, "get", "/tokenizer_info", Operation("Special tokens, chat template, context length", TokenizerInfo))
 def tokenizer_info():
     service = ctx().service
     tok = service.tokenizer
