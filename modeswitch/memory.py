@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .weight_kinds import KINDS, REFERENCE, LinearShape
+
 GIB = 2**30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": GIB, "gb": 10**9, "gib": GIB, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -78,13 +80,11 @@ class ModelShape:
         )
 
     def weights_bytes(self, variant: str, dtype_bytes: int, group_size: int = 64) -> int:
-        other = self.other_params * dtype_bytes
-        if variant == "gptq":  # 4-bit weights + per-group fp16 scales and packed 4-bit zeros + int32 g_idx
-            groups = self.linear_params // group_size
-            return self.linear_params // 2 + groups * 2 + groups // 2 + self.linear_in_features * 4 + other
-        if variant == "int8":  # int8 weights + one fp32 scale per output row
-            return self.linear_params + self.linear_out_features * 4 + other
-        return self.linear_params * dtype_bytes + other
+        """Resident bytes of ``variant``: its kind's linear layers, everything else in the reference dtype (a
+        variant that is no kind, a draft model, is dense)."""
+        linear = LinearShape(self.linear_params, self.linear_in_features, self.linear_out_features)
+        linears = KINDS.get(variant, REFERENCE).linear_bytes(linear, dtype_bytes, group_size)
+        return linears + self.other_params * dtype_bytes
 
 
 @dataclass

@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .resources import MODES_DIR
+from .weight_kinds import KINDS
 from .yamlconf import ConfigError, Section, load_yaml
 
-WEIGHTS = ("fp16", "gptq", "int8")
+WEIGHTS = tuple(KINDS)
 DECODING = ("standard", "speculative")
 BATCHING = ("none", "continuous")
 #: the n-gram sizes prompt-lookup drafting matches on vLLM engines, the longest first (vLLM's ``prompt_lookup_min``

@@ -13,6 +13,7 @@ from ..engines.grammar import Grammars
 from ..memory import ModelShape
 from ..modes import ModeSpec
 from ..weights.presets import Preset, WeightsNotFound, demo_to_build, prepare_in_subprocess
+from ..weight_kinds import REFERENCE
 from ..weights.store import VariantUnavailable, WeightStore, load_config, load_tokenizer
 from .base import ModelInfo
 
@@ -47,10 +48,10 @@ class Checkpoint:
         if self._info is not None:
             return self._info
         try:
-            ref = self.weights.ref("fp16")
+            ref = self.weights.ref(REFERENCE.name)
         except VariantUnavailable as exc:  # without the reference weights nothing can be served
             raise WeightsNotFound(str(exc)) from None
-        config = load_config(ref, f"fp16 weights of {self.preset.name}")
+        config = load_config(ref, f"{REFERENCE.name} weights of {self.preset.name}")
         self.shape = ModelShape.from_config(config, self.dtype.itemsize)
         self.context_length = min(int(getattr(config, "max_position_embeddings", self.max_model_len)),
                                   self.max_model_len)
@@ -75,7 +76,7 @@ class Checkpoint:
         for v in variants:
             self.weights.ref(v, build=False)  # planning builds nothing (a demo checkpoint is built when loaded)
         dtype_bytes = self.dtype.itemsize
-        return {v: self._draft().weights_bytes("fp16", dtype_bytes) if v == "draft"
+        return {v: self._draft().weights_bytes(REFERENCE.name, dtype_bytes) if v == "draft"
                 else self.shape.weights_bytes(v, dtype_bytes) for v in variants}
 
     def variants(self, spec: ModeSpec) -> list[str]:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-#: the stored weight type a quantized variant's name promises; ``fp16`` (the reference) promises none: it runs in
-#: the reference dtype, which its card states (bf16 or fp16 where the device computes 16-bit natively, else fp32)
-PROMISED = {"int8": "int8", "gptq": "int4"}
+from ..weight_kinds import KINDS
+
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,10 @@ def dtype_name(dtype: Any) -> str:
 
 def mismatch(variant: str, card: dict[str, str] | None) -> str | None:
     """Why a mode on ``variant`` must not be served under its name (its linears run other weights than the name
-    says), or None. A backend that could not describe its linears (``card`` None) is taken at its word."""
-    promised = PROMISED.get(variant)
+    says: ``WeightKind.promises``), or None. A backend that could not describe its linears (``card`` None) is taken
+    at its word."""
+    kind = KINDS.get(variant)
+    promised = kind.promises if kind is not None else None
     if promised is None or card is None or card["weights"] == promised:
         return None
     return (f"its linears run {card['weights']} weights ({card['weight_format']}, {card['kernel']}) on this machine, "

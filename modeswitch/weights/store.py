@@ -20,11 +20,11 @@ import time
 from typing import Any, Callable
 
 from .presets import Preset, WeightsNotFound, demo_to_build, local_or_hub
+from ..weight_kinds import INT8, KINDS
 
 log = logging.getLogger(__name__)
 
-#: Python packages each variant needs beyond the base install, and how to get them.
-NEEDS = {"gptq": ("gptqmodel", "optimum"), "int8": ("bitsandbytes",)}
+#: how to get the Python packages a kind needs beyond the base install (``WeightKind.needs``)
 QUANT_HINT = "pip install -e '.[quant]' (scripts/setup.sh installs it)"
 
 
@@ -120,12 +120,12 @@ class WeightStore:
         if variant in self._refs:
             return self._refs[variant]
         try:
-            needs = () if self.compiled_kernels and variant == "int8" else NEEDS.get(variant, ())
+            kind = KINDS.get(variant)
+            needs = () if kind is None or (self.compiled_kernels and kind is INT8) else kind.needs
             missing = [p for p in needs if importlib.util.find_spec(p) is None]
             if missing:
                 raise VariantUnavailable(f"{variant} weights need {', '.join(missing)}: {QUANT_HINT}")
-            source = {"fp16": self.preset.fp16, "int8": self.preset.fp16, "gptq": self.preset.gptq,
-                      "draft": self.preset.draft}[variant]
+            source = getattr(self.preset, kind.checkpoint if kind is not None else variant)
             if source is None:
                 raise VariantUnavailable(f"model {self.preset.name} has no {variant} checkpoint"
                                          + (" (pass --gptq PATH_OR_ID)" if variant == "gptq" else ""))
