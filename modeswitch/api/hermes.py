@@ -18,6 +18,9 @@ sent, which sets these rules:
   as written. So is everything outside the blocks; whitespace next to a call is dropped, except between two
   pieces of content, where it stays.
 * Without ``parallel_tool_calls`` a block after the first call is dropped.
+
+A forced call (:class:`ForcedCallStream`) has no tag: its grammar writes the call's JSON itself, read by the same
+rules.
 """
 
 from __future__ import annotations
@@ -73,9 +76,11 @@ def _partial(text: str) -> tuple[dict, str] | None:
 
 
 class _Block:
-    """The JSON object of one block, as far as it has come. ``text``: the block's text after ``<tool_call>``."""
+    """The JSON object of one block, as far as it has come. ``text``: the block's text after ``<tool_call>``;
+    ``key``: the member the call's arguments are in (a forced ``required`` call's grammar names it ``parameters``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "arguments") -> None:
+        self.key = key
         self.text = ""
         self.value: dict = {}  # the object, completed
         self.tail = ""  # the closers the parser added to complete it: not written yet
@@ -117,10 +122,10 @@ class _Block:
     def arguments(self) -> str:
         """The arguments as far as they can no longer change, as ``json.dumps`` writes them (a string: its
         text, as arguments given as a string are sent as that string)."""
-        if "arguments" not in self.value:
+        if self.key not in self.value:
             return "{}" if self.complete else ""
-        arguments = self.value["arguments"]
-        held = len(self.tail) - 1 if self._open_key() == "arguments" else 0
+        arguments = self.value[self.key]
+        held = len(self.tail) - 1 if self._open_key() == self.key else 0
         if isinstance(arguments, str):
             if held and "\ud800" <= arguments[-1:] <= "\udbff":  # half of a pair: the character may change
                 arguments = arguments[:-1]
@@ -129,27 +134,61 @@ class _Block:
         return text[:len(text) - held]
 
 
-class ToolCallStream:
+class _Message:
+    """What a reader of one choice's answer has decided: ``content`` and ``calls`` (the whole message so far), and
+    the :class:`Piece` of it not sent yet."""
+
+    def __init__(self) -> None:
+        self.content = ""
+        self.calls: list[dict] = []
+        self._piece = Piece()
+
+    def _take(self) -> Piece:
+        piece, self._piece = self._piece, Piece()
+        return piece
+
+    def _content(self, text: str) -> None:
+        self.content += text
+        self._piece.content += text
+
+    def _call(self, name: str) -> None:
+        call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+        self.calls.append(call)
+        self._piece.calls.append({"index": len(self.calls) - 1, **call, "function": dict(call["function"])})
+
+    def _arguments(self, certain: str) -> None:
+        """The last call's arguments as far as they are certain: what is new of them goes out."""
+        index = len(self.calls) - 1
+        sent = self.calls[index]["function"]["arguments"]
+        if len(certain) <= len(sent) or not certain.startswith(sent):  # nothing new (or a key written twice)
+            return
+        text = certain[len(sent):]
+        self.calls[index]["function"]["arguments"] = certain
+        last = self._piece.calls[-1] if self._piece.calls else None
+        if last is not None and last["index"] == index:
+            last["function"]["arguments"] += text
+        else:
+            self._piece.calls.append({"index": index, "function": {"arguments": text}})
+
+
+class ToolCallStream(_Message):
     """One choice's answer read as it comes (:meth:`feed`, then :meth:`finish`): each returns the :class:`Piece`
     its text decided. ``content`` and ``calls`` hold the whole message so far."""
 
     def __init__(self, names: set[str], parallel: bool) -> None:
+        super().__init__()
         self.names, self.parallel = names, parallel
-        self.content = ""
-        self.calls: list[dict] = []
         self._ws = ""  # whitespace held: it stays only if content follows it
         self._tag = ""  # held: what may be the start of OPEN
         self._block = _Block()  # the block being read
         self._dropped = False  # the block is a call, dropped (not parallel)
         self._skipped = ""  # the end of what a call's block left, watched for CLOSE
-        self._piece = Piece()
         self._read = self._text  # reads what it can of a text, returns the rest
 
     def feed(self, text: str) -> Piece:
         while text:
             text = self._read(text)
-        piece, self._piece = self._piece, Piece()
-        return piece
+        return self._take()
 
     def finish(self) -> Piece:
         """The answer ended: what was held is decided (an unfinished block is content; so is whitespace at the
@@ -233,25 +272,62 @@ class ToolCallStream:
         self._ws = ""
         self._content(lead + text)
 
-    def _content(self, text: str) -> None:
-        self.content += text
-        self._piece.content += text
 
-    def _call(self, name: str) -> None:
-        call = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
-        self.calls.append(call)
-        self._piece.calls.append({"index": len(self.calls) - 1, **call, "function": dict(call["function"])})
+class ForcedCallStream(_Message):
+    """A forced call's answer read as it comes, like :class:`ToolCallStream`'s (``feed``, ``finish``, ``content``,
+    ``calls``). Its grammar holds it to JSON of the call's shape, with no tag around it: for a named function
+    (``name``) the arguments object itself, the call known before the first token; for ``required`` (``name``
+    None) an array of ``{"name", "parameters"}`` objects, each a call once its name is written. Arguments go out
+    as the :class:`ToolCallStream` rules say, as far as they are certain (a named call's first piece is the call,
+    before any text). A ``required`` answer that made no call (cut before its first name) is content, as
+    written."""
 
-    def _arguments(self, certain: str) -> None:
-        """The call's arguments as far as they are certain: what is new of them goes out."""
-        index = len(self.calls) - 1
-        sent = self.calls[index]["function"]["arguments"]
-        if len(certain) <= len(sent) or not certain.startswith(sent):  # nothing new (or a key written twice)
-            return
-        text = certain[len(sent):]
-        self.calls[index]["function"]["arguments"] = certain
-        last = self._piece.calls[-1] if self._piece.calls else None
-        if last is not None and last["index"] == index:
-            last["function"]["arguments"] += text
-        else:
-            self._piece.calls.append({"index": index, "function": {"arguments": text}})
+    def __init__(self, name: str | None) -> None:
+        super().__init__()
+        self.name = name
+        self.text = ""
+        self._block: _Block | None = None  # the call being read
+        self._named = False  # the block's call was sent
+        self._broken = False  # required: the array broke off; nothing more is read
+        if name is not None:  # the arguments, read as a block that named its function already
+            self._block, self._named = _Block(), True
+            self._block.feed(json.dumps({"name": name})[:-1] + ', "arguments": ')
+            self._call(name)
+
+    def feed(self, text: str) -> Piece:
+        self.text += text
+        if self.name is not None:
+            self._block.feed(text)
+            self._arguments(self._block.arguments())
+            return self._take()
+        while text and not self._broken:
+            text = self._element(text) if self._block is not None else self._between(text)
+        return self._take()
+
+    def finish(self) -> Piece:
+        if not self.calls:
+            self._content(self.text)
+        return self._take()
+
+    def _between(self, text: str) -> str:
+        """Outside the array's objects: its ``[``, commas, whitespace and ``]`` say nothing; an object starts a
+        call's block."""
+        rest = text.lstrip(JSON_SPACE + "[,]")
+        if rest[:1] == "{":
+            self._block, self._named = _Block("parameters"), False
+            return rest
+        self._broken = bool(rest)
+        return ""
+
+    def _element(self, text: str) -> str:
+        block = self._block
+        block.feed(text)
+        if not self._named and isinstance(block.name, str):
+            self._call(block.name)
+            self._named = True
+        if self._named:
+            self._arguments(block.arguments())
+        if not (block.complete or block.failed):
+            return ""
+        self._block, self._broken = None, block.failed
+        return block.text[block.end:]

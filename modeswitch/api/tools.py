@@ -7,8 +7,9 @@
   functions' ``parameters`` (as vLLM does: a list of ``{"name", "parameters"}`` objects, or the named function's
   arguments), so a forced call always has valid arguments, whatever the model.
 * ``auto``: the model answers freely, and ``<tool_call>`` blocks in its answer become tool calls (the Hermes
-  format, which the prompt above asks for), read as they come (:mod:`.hermes`), so that a stream sends them as
-  they are written; ``none``: the tools are shown, the answer is text.
+  format, which the prompt above asks for); ``none``: the tools are shown, the answer is text.
+* Either way the answer is read as it comes (:mod:`.hermes`), so that a stream sends each call as it is written,
+  and the whole answer is read by the same reader, so the stream adds up to the unstreamed message.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 
 from ..sampling_params import Constraint
-from .hermes import ToolCallStream, call_id
+from .hermes import ForcedCallStream, ToolCallStream
 from .schemas import ChatBody
 
 HERMES_PROMPT = (
@@ -87,31 +88,23 @@ def constraint(req: ChatBody) -> Constraint | None:
     return Constraint("json", json.dumps(calls))
 
 
-def auto_calls(req: ChatBody) -> ToolCallStream:
-    """A reader of one ``auto`` answer's content and calls."""
-    return ToolCallStream({t.function.name for t in req.tools}, req.parallel_tool_calls)
-
-
-def _call(name: str, arguments) -> dict:
-    return {"id": call_id(), "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+def calls(req: ChatBody) -> ToolCallStream | ForcedCallStream | None:
+    """A reader of one answer's content and calls, as it comes (None: ``none``, the answer is text): ``auto``
+    reads Hermes blocks, a forced call the JSON its grammar allows."""
+    choice = req.chosen_tools
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return ToolCallStream({t.function.name for t in req.tools}, req.parallel_tool_calls)
+    return ForcedCallStream(None if choice == "required" else choice)
 
 
 def parse(req: ChatBody, text: str) -> tuple[str | None, list[dict]]:
-    """The answer as (content, tool calls). Text that does not parse as the calls it should be stays content."""
-    choice = req.chosen_tools
-    if choice == "none":
+    """The whole answer as (content, tool calls), read as a stream reads it, so the two add up to the same."""
+    answer = calls(req)
+    if answer is None:
         return text, []
-    if choice == "auto":
-        answer = auto_calls(req)
-        answer.feed(text)
-        answer.finish()
-        return answer.content or None, answer.calls
-    try:
-        parsed = json.loads(text)
-    except ValueError:  # cut short by max_tokens: no call to report
-        return text, []
-    if choice == "required":
-        return None, [_call(c["name"], c["parameters"]) for c in parsed]
-    return None, [_call(choice, parsed)]
+    answer.feed(text)
+    answer.finish()
+    return answer.content or None, answer.calls
 

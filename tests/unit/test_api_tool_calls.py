@@ -9,7 +9,8 @@ import json
 import pytest
 from openai import OpenAI
 
-from modeswitch.api.hermes import ToolCallStream
+from modeswitch.api.hermes import ForcedCallStream, ToolCallStream
+from modeswitch.sampling_params import OPTIONS
 from modeswitch.testing.engine import Script
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
@@ -35,8 +36,8 @@ ANSWERS = {
 }
 
 
-def client(make_app, reply: str) -> OpenAI:
-    app = make_app(scripts={m: Script(reply=reply) for m in ("fp16", "prefix_cache", "continuous_batching")})
+def client(make_app, reply: str, **script) -> OpenAI:
+    app = make_app(scripts={m: Script(reply=reply, **script) for m in ("fp16", "prefix_cache", "continuous_batching")})
     return OpenAI(base_url=app.serve() + "/v1", api_key="none", max_retries=0)
 
 
@@ -242,3 +243,79 @@ def test_an_answer_cut_anywhere_reads_the_same_in_every_split():
     for end in range(0, len(reply), 7):
         results = [read(reply[:end], split) for split in SPLITS]
         assert all(r == results[0] for r in results), reply[:end]
+
+
+# ---------------------------------------------------------------------------------------------- forced calls
+#: a forced call's answer, as its grammar writes it: a named function's arguments, or ``required``'s array
+NAMED_ARGS = '{"city": "Paris", "unit": "celsius", "days": [1, 2.50, 3e1], "note": "caf\\u00e9"}'
+REQUIRED = ('[{"name": "get_weather", "parameters": ' + NAMED_ARGS + '}, '
+            '{"parameters": {"a": 1, "b": -2}, "name": "add"}]')
+FORCED = {"named": ({"type": "function", "function": {"name": "get_weather"}}, NAMED_ARGS, ["get_weather"]),
+          "required": ("required", REQUIRED, ["get_weather", "add"])}
+
+
+@pytest.mark.parametrize("name", FORCED)
+def test_the_clients_stream_helper_reads_a_forced_call_as_it_comes(make_app, name):
+    """As vLLM streams a forced call: its name first, then its arguments in pieces while the model writes them,
+    adding up to the message of the same answer unstreamed."""
+    choice, reply, names = FORCED[name]
+    ai = client(make_app, reply, capabilities=OPTIONS)  # a grammar: the answer is the scripted one all the same
+    ask = {"model": "demo", "messages": ASK, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
+           "max_tokens": 400}
+    with ai.chat.completions.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_completion()
+    kinds = [e.type for e in events]
+    argument_deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert [e.name for e in argument_deltas if e.name == "get_weather"][5:]  # more than a few pieces
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert [e.name for e in done] == names and not any(e.delta for e in events if e.type == "content.delta")
+    assert kinds.index("tool_calls.function.arguments.delta") < len(kinds) // 4  # from the start, not at the end
+    whole = ai.chat.completions.create(**ask)
+    assert message(final.choices[0]) == message(whole.choices[0])
+    assert json.loads(done[0].arguments) == json.loads(NAMED_ARGS)
+    assert final.choices[0].finish_reason == ("stop" if name == "named" else "tool_calls")
+
+
+@pytest.mark.parametrize("name", FORCED)
+def test_a_forced_call_cut_by_max_tokens_streams_what_was_certain(make_app, name):
+    """Cut in its arguments, a forced call keeps them as far as they were certain, streamed or not; a
+    ``required`` answer cut before its first name made no call: its text is the content."""
+    choice, reply, names = FORCED[name]
+    cut_in_arguments = reply.index('"days"') + 11  # after "[1,"
+    ai = client(make_app, reply, capabilities=OPTIONS)
+    for max_tokens, content, arguments in [(cut_in_arguments, "", '{"city": "Paris", "unit": "celsius", "days": [1'),
+                                           (5, reply[:5] if name == "required" else "", "{")]:
+        ask = {"model": "demo", "messages": ASK, "tools": TOOLS, "tool_choice": choice, "temperature": 0, "n": 2,
+               "max_tokens": max_tokens}
+        whole = ai.chat.completions.create(**ask)
+        streamed = accumulated(ai.chat.completions.create(**ask, stream=True))
+        assert [streamed[i] for i in (0, 1)] == [message(c) for c in whole.choices]
+        first = message(whole.choices[0])
+        assert first["content"] == content and first["finish_reason"] == "length"
+        if content:
+            assert first["calls"] == {}
+        else:
+            assert first["calls"][0] == {"name": "get_weather", "arguments": arguments}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_forced_reader_reads_every_split_the_same(split):
+    """Named, required with two calls, and required broken off in its array, cut anywhere."""
+    for name, reply in [("get_weather", NAMED_ARGS), (None, REQUIRED), (None, '[{"name": "add", "parameters": {}} x')]:
+        for end in range(0, len(reply) + 1, 3):
+            text = reply[:end]
+            stream, step = ForcedCallStream(name), split or max(len(text), 1)
+            pieces = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+            whole = ForcedCallStream(name)
+            whole.feed(text)
+            whole.finish()
+            calls: dict[int, list[str]] = {}
+            for p in pieces:
+                for d in p.calls:
+                    call = calls.setdefault(d["index"], ["", ""])
+                    call[0] += d["function"].get("name", "")
+                    call[1] += d["function"].get("arguments", "")
+            assert "".join(p.content for p in pieces) == stream.content == whole.content
+            assert [tuple(c) for c in calls.values()] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in whole.calls]
