@@ -20,7 +20,7 @@ process, so the runner keeps a :class:`~modeswitch.engines.vllm.paged_prefix.Pag
 it was given and the sequences it has computed: what a prompt would reuse is known before the request is
 sent. Prompt scoring (echo + logprobs, what lm-eval's ``local-completions`` sends) runs as a one-token
 request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above
-this layer (``modeswitch.backends.vllm``); this module deals in plain engine arguments (:mod:`.args`).
+this layer (``modeswitch.backends.vllm.layout``); this module deals in plain engine arguments (:mod:`.args`).
 """
 
 from __future__ import annotations
@@ -380,11 +380,6 @@ class VllmEngine(Engine):
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
         if self.speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
-
-    def restarted(self, runner: VllmRunner) -> None:
-        """Its engine was started again: serve from ``runner`` from now on."""
-        self.serve_from(runner)
-        self.report_health(None)
 
     def serve_from(self, runner: VllmRunner) -> None:
         """Send new requests to ``runner`` (the requests already on the old one finish there)."""
