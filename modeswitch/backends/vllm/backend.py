@@ -15,7 +15,7 @@ from typing import Any
 
 from ...config import LoadConfig
 from ...engines.vllm import compat as vllm_compat
-from ...engines.vllm.engine import VllmEngine
+from ...engines.vllm.engine import VllmFront
 from ...memory import Footprint, MemoryPlan
 from ...modes import ModeSpec
 from ...weights.presets import Preset
@@ -71,7 +71,7 @@ class VllmBackend:
             draft = runner.engine_args["speculative_config"]
             details["draft"] = draft.get("method") or draft.get("model")
         drafts = spec.speculative.num_tokens if spec.speculative is not None else 0
-        engine = VllmEngine(spec.name, runner, spec.prefix_cache, drafts)
+        engine = VllmFront(spec.name, runner, spec.prefix_cache, drafts)
         served.add(engine, details)
         engine.restarts = self.supervisor.watch(key, served)
         return BuiltMode(engine, details, self.checkpoint.step_cost(plan.weights[key]), batch=key)

@@ -135,7 +135,7 @@ class EngineLayout:
                     eager: bool = False) -> dict[str, Any]:
         """vLLM's arguments for the engine of the modes ``specs`` (one set of weights): it speculates when any
         of them does, proposing as many tokens a step as the most any asks for (each request is bounded by
-        its own mode's, see ``VllmEngine``)."""
+        its own mode's, see ``VllmFront``)."""
         checkpoint, spec = self.checkpoint, specs[0]
         drafting = [s for s in specs if s.speculative is not None]
         draft = checkpoint.draft_variant(drafting[0]) if drafting else None

