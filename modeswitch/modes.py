@@ -44,7 +44,7 @@ class ModeSpec:
     batching: str = "none"
     max_queue: int = 8
     #: vLLM on a CPU with cores to spare: run on an engine of its own (its weights again, on its own cores)
-    #: rather than share its weights' engine; a second engine to spread a burst over (see ``backends.vllm``)
+    #: rather than share its weights' engine; a second engine to spread a burst over (see ``backends.vllm.layout``)
     own_engine: bool = False
     description: str = ""
     source: str = ""

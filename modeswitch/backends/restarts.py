@@ -8,8 +8,8 @@ try, which comes after ``crash_loop_backoff_s``, doubling with each park in a ro
 A parked engine that is started again and dies at once is parked again for longer (its deaths are still inside
 the window); one that stays up until its deaths have left the window starts over at the first backoff.
 
-One :class:`Restarts` per supervised engine, shared by the backends (``backends.vllm`` and
-``backends.transformers``); ``/v1/modes`` and ``/metrics`` read :meth:`Restarts.stats`.
+One :class:`Restarts` per supervised engine, kept by the supervisor both backends use (``backends.supervision``);
+``/v1/modes`` and ``/metrics`` read :meth:`Restarts.stats`.
 """
 
 from __future__ import annotations

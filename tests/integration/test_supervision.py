@@ -196,3 +196,17 @@ def test_an_engine_comes_back_each_time_and_a_crash_loop_is_parked_then_retried(
     finally:
         reg.close()
 
+
+def test_a_closed_engine_is_not_counted_dead():
+    """The registry closes the modes' engines before the backend: a worker that left because its engine was closed
+    is no death, and no new worker is started for it."""
+    load = LoadConfig(backend="transformers", device="cpu", dtype="float32", max_model_len=512, staged=False)
+    reg = ModeRegistry(PRESETS["demo"], [m for m in load_modes() if m.name == "fp16"], load)
+    reg.load(progress=lambda line: None)
+    try:
+        engine = reg.modes["fp16"].engine
+        engine.close()
+        time.sleep(3 * SUPERVISE_S)
+        assert engine.stats()["engine_deaths"] == 0 and not engine._worker.is_alive()
+    finally:
+        reg.close()

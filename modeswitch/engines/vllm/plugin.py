@@ -17,7 +17,7 @@ its connections per group (context), not per device, so one device serves every 
 torch's ``new_group`` ignores gloo options, so the only place to pass the device is the ``ProcessGroupGloo`` that
 ``torch.distributed`` constructs.
 
-Only in engines ModeSwitch starts (``VllmBackend`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
+Only in engines ModeSwitch starts (``backends.vllm.start`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group).
 
 And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine.
@@ -41,7 +41,7 @@ ENV = "MODESWITCH_ONE_GLOO_DEVICE"
 CPUS_KEY = "modeswitch_cpus"
 #: the key of ``additional_config`` that keeps an engine's worker in its engine-core process
 ONE_PROCESS_KEY = "modeswitch_one_process"
-#: the pid of the ModeSwitch server whose engines these processes are (``VllmBackend`` sets it)
+#: the pid of the ModeSwitch server whose engines these processes are (``backends.vllm.start`` sets it)
 SERVER_ENV = "MODESWITCH_SERVER_PID"
 #: how often an engine process checks that its parent is still there
 PARENT_POLL_S = 1.0
