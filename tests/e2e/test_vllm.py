@@ -490,6 +490,6 @@ def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_pa
     backend = VllmBackend(preset, LoadConfig(backend="vllm", device="cpu"))
     backend.open(print)
     specs = {m.name: m for m in load_modes()}
-    with pytest.raises(VariantUnavailable, match="INT8 \\(W8A8\\) weights of demo: no directory"):
+    with pytest.raises(VariantUnavailable, match="int8 \\(w8a8\\) weights of demo: no directory"):
         backend.footprint(specs["int8"])
     assert backend.footprint(specs["fp16"]).kv_bytes > 0
