@@ -9,6 +9,7 @@ working policy and requests in progress keep the policy they started with.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,8 +27,22 @@ from .quality import REFERENCE, Judged, judge_mode, runs
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
+log = logging.getLogger(__name__)
+
 _NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
 _EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
+
+
+def _read_report(path: Path) -> dict:
+    """A gate report read and checked: every run has the reference's results."""
+    try:
+        report = json.loads(path.read_text())
+        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE not in r["modes"]
+                                   for r in runs(report)):
+            raise ValueError(f"a run has no {REFERENCE} reference results")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+    return report
 
 
 class NoEligibleMode(RuntimeError):
@@ -72,6 +87,9 @@ class Controller:
         self.costs = costs if costs is not None else CostModel()
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
+        #: a directory of gate runs this machine scored itself (see ``modeswitch.evals.behind``): the report of the
+        #: same file name there is read with the report, its runs the newest
+        self.quality_cache: Path | None = None
         self.gates = gates(kv_bytes_per_token)
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
@@ -185,17 +203,18 @@ class Controller:
         return {name: j for name, j in judged.items() if j is not None}
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
-        """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""
+        """Read the gate report (default: the one loaded before) with the runs of its namesake in
+        :attr:`quality_cache`; a missing or broken report changes nothing, a broken cached one is left out."""
         path = Path(path) if path else self.quality_report_path
         if path is None:
             raise ConfigError("no quality gate report configured (--gate-report)")
-        try:
-            report = json.loads(Path(path).read_text())
-            if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE not in r["modes"]
-                                       for r in runs(report)):
-                raise ValueError(f"a run has no {REFERENCE} reference results")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+        report = _read_report(path)
+        cached = self.quality_cache / path.name if self.quality_cache else None
+        if cached is not None and cached.is_file():
+            try:
+                report = {**report, "runs": [*runs(report), *runs(_read_report(cached))]}
+            except ConfigError as exc:
+                log.warning("quality gate: the runs scored here are left out: %s", exc)
         self.quality_report, self.quality_report_path = report, path
         return report
 

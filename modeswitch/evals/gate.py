@@ -87,8 +87,18 @@ def mark(report: dict) -> None:
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
              gptq: str | None = None, backend: str = "transformers", dtype: str = LoadConfig.dtype,
              progress=print) -> dict:
+    """Every mode of ``modes_dirs`` scored on engines built for it alone, as ``serve.py`` would build them."""
     from .adapter import ModeSwitchLM
 
+    return score_modes(model, load_modes(*modes_dirs),
+                       lambda spec: ModeSwitchLM(model=model, spec=spec, gptq=gptq, backend=backend, dtype=dtype),
+                       tasks, limit, quality, progress)
+
+
+def score_modes(model: str, specs, open_lm, tasks=TASKS, limit: int | None = None,
+                quality: QualityPolicy = QualityPolicy(), progress=print) -> dict:
+    """A gate run over ``specs`` (the reference among them): ``open_lm(spec)`` gives the lm-eval model that scores
+    a mode (a RuntimeError: the mode is unavailable, and listed so)."""
     kinds = task_kinds(tasks)
     scoring = [t for t, k in kinds.items() if k["output_type"] in SCORING]
     generating = [t for t in kinds if t not in scoring]
@@ -100,10 +110,10 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     unavailable: dict[str, str] = {}
     kernels: dict[str, dict | None] = {}
     served_by = None
-    for spec in load_modes(*modes_dirs):
+    for spec in specs:
         t0 = time.perf_counter()
         try:
-            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, backend=backend, dtype=dtype)
+            lm = open_lm(spec)
         except RuntimeError as exc:
             unavailable[spec.name] = str(exc)
             progress(f"gate: {spec.name}: unavailable ({exc})")
@@ -116,7 +126,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
             if generating:
                 evaluated.append(evaluate(lm, generating, limit, log_samples=True))
         finally:
-            lm.registry.close()
+            lm.close()
         results = {t: r for e in evaluated for t, r in e["results"].items()}
         documents[spec.name] = {t: per_document(s, kinds[t]["metric"]) for e in evaluated
                                 for t, s in e["samples"].items() if t in kinds}
@@ -125,8 +135,8 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
                             for t in kinds}
         progress(f"gate: {spec.name}: " + ", ".join(f"{t} {v['value']:.4g}" for t, v in modes[spec.name].items())
                  + f" ({time.perf_counter() - t0:.0f} s)")
-    if "fp16" not in modes:
-        raise RuntimeError("the fp16 mode is the reference and must be available for the gate")
+    if REFERENCE not in modes:
+        raise RuntimeError(f"the {REFERENCE} mode is the reference and must be available for the gate")
     import lm_eval
     import torch
     import transformers
@@ -202,9 +212,13 @@ def merged(existing: dict | None, run: dict) -> dict:
 
 
 def write(run: dict, out_dir: Path = REPORTS_DIR) -> Path:
-    """Add ``run`` to the report for its model and engine in ``out_dir`` (see :func:`merged`); returns its path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = shipped_report(run["model"], run["backend"], out_dir)
+    """Add ``run`` to the report for its model and engine in ``out_dir``; returns its path."""
+    return add_run(shipped_report(run["model"], run["backend"], out_dir), run)
+
+
+def add_run(path: Path, run: dict) -> Path:
+    """Add ``run`` to the report at ``path`` (see :func:`merged`) and write its markdown beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     report = merged(json.loads(path.read_text()) if path.is_file() else None, run)
     path.write_text(json.dumps(report, indent=2))
     path.with_suffix(".md").write_text(render(report))

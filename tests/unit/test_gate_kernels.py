@@ -8,6 +8,7 @@ The controller over plain mode views, the API over the fake backend (``make_app`
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -148,3 +149,38 @@ def test_v1_modes_and_the_answer_say_the_gate_is_pending(make_app, tmp_path):
     assert app.modes()["int8"]["quality_gate"] == "fails the quality gate (cloze -6.0 pp)"
     refused = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "mode": "int8"})
     assert refused.status_code == 400 and refused.get_json()["error"]["code"] == "mode_unavailable"
+
+
+# ---------------------------------------------------------------------------------------------- scoring here
+def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_run(make_app, tmp_path):
+    """The scorer runs lm-eval (one cloze task, 4 documents) on the pending mode and the reference through the
+    server's own service, waits while a request is in flight, keeps the run under the report's name in the cache,
+    and the verdict replaces pending; the next load of the report reads the cached run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from modeswitch.evals.behind import PendingScorer
+    from modeswitch.testing.engine import Script
+
+    app = make_app(modes=("fp16", "int8"), kernels={"fp16": FP32, "int8": INT8_FP32},
+                   scripts={"fp16": Script(token_s=0.05)})
+    shipped = tmp_path / "demo-vllm.json"
+    shipped.write_text(json.dumps(merged(None, BF16_RUN)))
+    controller = app.service.controller
+    controller.quality_cache = tmp_path / "cache"
+    controller.load_quality_report(shipped)
+    scorer = PendingScorer(app.service, tasks=("jargon_cloze",), limit=4, progress=lambda line: None)
+    assert scorer.pending() == ["int8"]
+    with ThreadPoolExecutor(1) as pool:  # a request in flight: the scorer sends nothing until it has finished
+        busy = pool.submit(app.complete, "Hello", max_tokens=20, mode="fp16")
+        time.sleep(0.1)
+        waited = time.perf_counter()
+        scorer.wait_idle()  # 20 tokens at 50 ms each: about a second
+        assert time.perf_counter() - waited > 0.3 and busy.result()["modeswitch"]["mode"] == "fp16"
+    run = scorer.run()
+    assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
+    assert len(run["documents"]["int8"]["jargon_cloze"]) == 4
+    kept = json.loads((tmp_path / "cache" / "demo-vllm.json").read_text())
+    assert [r["date"] for r in runs(kept)] == [run["date"]]
+    assert scorer.pending() == [] and app.modes()["int8"]["gate_row"]["same_kernels"] is True
+    controller.load_quality_report(shipped)  # as the next start reads it: the shipped runs, then the cached one
+    assert len(runs(controller.quality_report)) == 2 and scorer.pending() == []
