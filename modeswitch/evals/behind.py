@@ -36,6 +36,10 @@ class PendingScorer:
                  progress: Callable[[str], None] = log.info) -> None:
         self.service, self.tasks, self.limit, self.progress = service, tuple(tasks), limit, progress
         self._stop = threading.Event()
+        #: the longest from one scoring request sent to the next ready to be sent (the request, and lm-eval's own
+        #: work between two): an upper bound on what a request arriving meanwhile waited for one
+        self.longest_s = 0.0
+        self._sent: float | None = None
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run_logged, name="gate-pending", daemon=True)
@@ -76,21 +80,28 @@ class PendingScorer:
         names = [REFERENCE, *(m for m in pending if m != REFERENCE)]
         specs = [registry.modes[n].spec for n in names if n in registry.modes]
         started = time.perf_counter()
-        run = score_modes(self.service.model_name, specs,
-                          lambda spec: ModeSwitchLM(mode=spec.name, service=self.service, before_request=self.wait_idle),
-                          self.tasks, self.limit, controller.policy.quality, self.progress)
+        def open_lm(spec):
+            self._sent = None  # lm-eval's time between two modes is no request's
+            return ModeSwitchLM(mode=spec.name, service=self.service, before_request=self.wait_idle)
+
+        run = score_modes(self.service.model_name, specs, open_lm, self.tasks, self.limit, controller.policy.quality,
+                          self.progress)
         if self._stop.is_set():
             return None
         path = add_run(cache / controller.quality_report_path.name, run)
         controller.load_quality_report()
         verdicts = controller.quality_verdicts() or {}
-        self.progress(f"quality gate: scored here in {time.perf_counter() - started:.0f} s, kept in {path}: "
+        self.progress(f"quality gate: scored here in {time.perf_counter() - started:.0f} s (the longest scoring "
+                      f"request {self.longest_s:.2f} s), kept in {path}: "
                       + ", ".join(f"{m} {verdicts[m].status}" for m in pending if m in verdicts))
         return run
 
     def wait_idle(self) -> None:
         """Return once no request is in flight on any mode (the scorer's own have finished before it asks)."""
+        if self._sent is not None:
+            self.longest_s = max(self.longest_s, time.perf_counter() - self._sent)
         modes = self.service.registry.modes
         while any(state.in_flight for state in modes.values()):
             if self._stop.wait(POLL_S):
                 raise RuntimeError("the server is stopping")
+        self._sent = time.perf_counter()

@@ -177,6 +177,7 @@ def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_r
         scorer.wait_idle()  # 20 tokens at 50 ms each: about a second
         assert time.perf_counter() - waited > 0.3 and busy.result()["modeswitch"]["mode"] == "fp16"
     run = scorer.run()
+    assert 0 < scorer.longest_s < 5  # fake prompts are scored at once: no request waited long behind one
     assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
     assert len(run["documents"]["int8"]["jargon_cloze"]) == 4
     kept = json.loads((tmp_path / "cache" / "demo-vllm.json").read_text())
