@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     if config.score_pending and service.controller.quality_cache is not None:
         from .evals.behind import PendingScorer  # lm-eval is imported only by a server that may score
 
-        scorer = PendingScorer(service)
+        scorer = PendingScorer(service, admission.idle_s)
         scorer.start()
     available = ", ".join(m.name for m in service.registry.available())
     loading = ", ".join(m.name for m in service.registry.loading())

@@ -60,6 +60,8 @@ class ModeSwitchLM(TemplateLM):
         ``before_request``: called before each request is sent (a server's scorer waits there for idle engines)."""
         super().__init__()
         self._before = before_request or (lambda: None)
+        #: the longest one of its requests took, first token to last (what a request behind it could wait for)
+        self.longest_s = 0.0
         self._owned = service is None
         if service is not None:
             self._on(service, mode, max_length)
@@ -152,6 +154,7 @@ class ModeSwitchLM(TemplateLM):
             for gen, seq, (_, cont) in zip(gens, sequences, window):
                 for _ in gen.deltas():  # the one generated token; the scores come with the end of the request
                     pass
+                self._took(gen)
                 positions = range(len(seq) - len(cont), len(seq))
                 total = sum(gen.logprobs["token_logprobs"][i] for i in positions)
                 greedy = all(max(gen.logprobs["top_logprobs"][i].items(), key=lambda kv: kv[1])[0] == seq[i]
@@ -187,4 +190,9 @@ class ModeSwitchLM(TemplateLM):
                                      stop=tuple(until), mode=self.mode)
             gen.prime()
             out.append("".join(gen.deltas()))
+            self._took(gen)
         return out
+
+    def _took(self, gen) -> None:
+        if gen.finished_at is not None:
+            self.longest_s = max(self.longest_s, gen.finished_at - gen.started_at)

@@ -4,8 +4,9 @@ A mode is pending when the shipped gate report has rows for it scored on other k
 verdict, see :func:`modeswitch.controller.quality.judge_mode`). Once every mode is up, :class:`PendingScorer` runs
 the gate's tasks on the pending modes and on the reference (every delta is paired with the reference scored on
 the same kernels) through the server's own service: the engines that serve, as a pinned request reaches them.
-It sends one request at a time, each only while no other request is in flight on any mode, so a request waits at
-most for one scoring request (a prompt scored, or one short generation) already running. The run goes into the
+It sends one request at a time, each only once no request has been in flight for :data:`QUIET_S` (steady traffic
+pauses it; it goes on in the gaps), so a request waits at most for one scoring request (a prompt scored, or one
+short generation) sent in such a gap. The run goes into the
 controller's cache directory under the report's file name (:func:`~modeswitch.evals.gate.add_run`), where the next
 start on the same kernels finds it, and the report is read again: the modes' verdicts replace ``pending``.
 """
@@ -25,21 +26,25 @@ log = logging.getLogger(__name__)
 
 #: documents per task, as the shipped reports were scored
 LIMIT = 100
-#: how often the scorer looks whether the modes are up, and whether the engines are idle
+#: how often the scorer looks whether the modes are up, and whether the server is quiet
 POLL_S = 0.05
+#: seconds without a request in flight before a scoring request is sent
+QUIET_S = 2.0
 
 
 class PendingScorer:
-    """Scores the pending modes of ``service`` once, in a thread of its own (:meth:`start`)."""
+    """Scores the pending modes of ``service`` once, in a thread of its own (:meth:`start`). ``idle_s``: seconds
+    since the server last had a request in flight (``Admission.idle_s``: the HTTP requests, which the scorer's
+    own do not pass through)."""
 
-    def __init__(self, service: Service, tasks=TASKS, limit: int | None = LIMIT,
-                 progress: Callable[[str], None] = log.info) -> None:
-        self.service, self.tasks, self.limit, self.progress = service, tuple(tasks), limit, progress
+    def __init__(self, service: Service, idle_s: Callable[[], float], tasks=TASKS, limit: int | None = LIMIT,
+                 quiet_s: float = QUIET_S, progress: Callable[[str], None] = log.info) -> None:
+        self.service, self.idle_s, self.quiet_s = service, idle_s, quiet_s
+        self.tasks, self.limit, self.progress = tuple(tasks), limit, progress
         self._stop = threading.Event()
-        #: the longest from one scoring request sent to the next ready to be sent (the request, and lm-eval's own
-        #: work between two): an upper bound on what a request arriving meanwhile waited for one
+        #: the longest one scoring request took, first token to last: the most a request arriving meanwhile
+        #: waited for one
         self.longest_s = 0.0
-        self._sent: float | None = None
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._run_logged, name="gate-pending", daemon=True)
@@ -80,12 +85,17 @@ class PendingScorer:
         names = [REFERENCE, *(m for m in pending if m != REFERENCE)]
         specs = [registry.modes[n].spec for n in names if n in registry.modes]
         started = time.perf_counter()
-        def open_lm(spec):
-            self._sent = None  # lm-eval's time between two modes is no request's
-            return ModeSwitchLM(mode=spec.name, service=self.service, before_request=self.wait_idle)
+        opened: list[ModeSwitchLM] = []
 
-        run = score_modes(self.service.model_name, specs, open_lm, self.tasks, self.limit, controller.policy.quality,
-                          self.progress)
+        def open_lm(spec):
+            opened.append(ModeSwitchLM(mode=spec.name, service=self.service, before_request=self.wait_quiet))
+            return opened[-1]
+
+        try:
+            run = score_modes(self.service.model_name, specs, open_lm, self.tasks, self.limit,
+                              controller.policy.quality, self.progress)
+        finally:
+            self.longest_s = max((lm.longest_s for lm in opened), default=0.0)
         if self._stop.is_set():
             return None
         path = add_run(cache / controller.quality_report_path.name, run)
@@ -96,12 +106,10 @@ class PendingScorer:
                       + ", ".join(f"{m} {verdicts[m].status}" for m in pending if m in verdicts))
         return run
 
-    def wait_idle(self) -> None:
-        """Return once no request is in flight on any mode (the scorer's own have finished before it asks)."""
-        if self._sent is not None:
-            self.longest_s = max(self.longest_s, time.perf_counter() - self._sent)
+    def wait_quiet(self) -> None:
+        """Return once the server has had no request in flight for :attr:`quiet_s` and no mode is busy (the
+        scorer's own requests have finished before it asks)."""
         modes = self.service.registry.modes
-        while any(state.in_flight for state in modes.values()):
+        while self.idle_s() < self.quiet_s or any(state.in_flight for state in modes.values()):
             if self._stop.wait(POLL_S):
                 raise RuntimeError("the server is stopping")
-        self._sent = time.perf_counter()

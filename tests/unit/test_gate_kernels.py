@@ -11,6 +11,7 @@ import json
 import time
 
 import pytest
+import requests
 
 from modeswitch.controller.decide import Controller, NoEligibleMode
 from modeswitch.controller.quality import REFERENCE, QualityPolicy, judge_mode, runs
@@ -154,8 +155,8 @@ def test_v1_modes_and_the_answer_say_the_gate_is_pending(make_app, tmp_path):
 # ---------------------------------------------------------------------------------------------- scoring here
 def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_run(make_app, tmp_path):
     """The scorer runs lm-eval (one cloze task, 4 documents) on the pending mode and the reference through the
-    server's own service, waits while a request is in flight, keeps the run under the report's name in the cache,
-    and the verdict replaces pending; the next load of the report reads the cached run."""
+    server's own service, sends nothing until the server has been quiet a while, keeps the run under the report's
+    name in the cache, and the verdict replaces pending; the next load of the report reads the cached run."""
     from concurrent.futures import ThreadPoolExecutor
 
     from modeswitch.evals.behind import PendingScorer
@@ -168,17 +169,20 @@ def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_r
     controller = app.service.controller
     controller.quality_cache = tmp_path / "cache"
     controller.load_quality_report(shipped)
-    scorer = PendingScorer(app.service, tasks=("jargon_cloze",), limit=4, progress=lambda line: None)
+    scorer = PendingScorer(app.service, app.assembled.admission.idle_s, tasks=("jargon_cloze",), limit=4,
+                           quiet_s=0.3, progress=lambda line: None)
     assert scorer.pending() == ["int8"]
-    with ThreadPoolExecutor(1) as pool:  # a request in flight: the scorer sends nothing until it has finished
-        busy = pool.submit(app.complete, "Hello", max_tokens=20, mode="fp16")
+    url = app.serve()  # over real HTTP, where a request's admission ticket is returned once it is answered
+    with ThreadPoolExecutor(1) as pool:  # a request in flight: nothing is sent until it ended 0.3 s ago
+        busy = pool.submit(requests.post, url + "/v1/completions", timeout=30,
+                           json={"prompt": "Hello", "max_tokens": 20, "temperature": 0, "mode": "fp16"})
         time.sleep(0.1)
         waited = time.perf_counter()
-        scorer.wait_idle()  # 20 tokens at 50 ms each: about a second
-        assert time.perf_counter() - waited > 0.3 and busy.result()["modeswitch"]["mode"] == "fp16"
+        scorer.wait_quiet()  # 20 tokens at 50 ms each: about a second, then 0.3 s of quiet
+        assert busy.done() and busy.result().json()["modeswitch"]["mode"] == "fp16"
+        assert time.perf_counter() - waited > 0.3 + 0.3 and app.assembled.admission.idle_s() >= 0.3
     run = scorer.run()
-    assert 0 < scorer.longest_s < 5  # fake prompts are scored at once: no request waited long behind one
-    assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
+    assert 0 <= scorer.longest_s < 1  # the fake engine scores a prompt at once    assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
     assert len(run["documents"]["int8"]["jargon_cloze"]) == 4
     kept = json.loads((tmp_path / "cache" / "demo-vllm.json").read_text())
     assert [r["date"] for r in runs(kept)] == [run["date"]]
