@@ -6,9 +6,9 @@ the gate's tasks on the pending modes and on the reference (every delta is paire
 the same kernels) through the server's own service: the engines that serve, as a pinned request reaches them.
 It sends one request at a time, each only once no request has been in flight for :data:`QUIET_S` (steady traffic
 pauses it; it goes on in the gaps), so a request waits at most for one scoring request (a prompt scored, or one
-short generation) sent in such a gap. The run goes into the
-controller's cache directory under the report's file name (:func:`~modeswitch.evals.gate.add_run`), where the next
-start on the same kernels finds it, and the report is read again: the modes' verdicts replace ``pending``.
+short generation) sent in such a gap. The run goes into the controller's cache directory under the report's file
+name (:func:`~modeswitch.evals.gate.add_run`), where the next start on the same kernels finds it, and the report is
+read again: the modes' verdicts replace ``pending``.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class PendingScorer:
         from .gate import add_run, score_modes
 
         registry, controller = self.service.registry, self.service.controller
-        while registry.loading() and not self._stop.is_set():
-            time.sleep(POLL_S)
+        while registry.loading() and not self._stop.wait(POLL_S):
+            pass
         pending = self.pending()
         cache = controller.quality_cache
         if not pending or cache is None or self._stop.is_set():
