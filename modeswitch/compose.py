@@ -100,6 +100,8 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:
+        if not config.gate_report:  # the shipped report, with the runs this machine scored itself (evals/behind.py);
+            controller.quality_cache = cache_dir() / "gate"  # a report given by path is enforced as it is
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
     service = Service(registry, controller, preset.name)

@@ -136,6 +136,13 @@ class ServerConfig:
                              "'order: predicted' orders modes by these measurements, and a mode's engine of its own "
                              "(own_engine) goes to the weights an earlier run measured fastest here; without it the "
                              "mode files decide the layout")
+    score_pending: bool = option(True, "score the modes whose quality verdict is pending (their gate report rows were "
+                                 "scored on other kernels) on this machine's kernels, through this server's engines "
+                                 "once every mode is up: one request at a time, each sent only while no other "
+                                 "request is in flight. The run is kept in the cache's gate/ directory under the "
+                                 "report's name, so a restart on the same kernels finds it; the verdict replaces "
+                                 "'pending' when it is in. --no-score-pending: they stay pending (served only when "
+                                 "pinned) until a gate run on this machine is added to the report")
     costs_file: Path | None = option(None, "JSON file the measured costs are kept in across restarts (default: "
                                      "costs.json in the model cache, $MODESWITCH_CACHE or ~/.cache/modeswitch)",
                                      parse=Path)

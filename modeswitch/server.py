@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGUSR1, on_sigusr1)
     server = create_server(assembled.app, sockets=[listener], threads=http.threads, channel_timeout=600)
+    scorer = None
+    if config.score_pending and service.controller.quality_cache is not None:
+        from .evals.behind import PendingScorer  # lm-eval is imported only by a server that may score
+
+        scorer = PendingScorer(service, admission.idle_s)
+        scorer.start()
     available = ", ".join(m.name for m in service.registry.available())
     loading = ", ".join(m.name for m in service.registry.loading())
     log.info("ready in %.1f s: model %s, modes available: %s%s; listening on http://%s:%s",
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
+        if scorer is not None:
+            scorer.stop()
         server.close()
         assembled.close()
     log.info("stopped")

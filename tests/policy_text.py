@@ -1,11 +1,15 @@
-"""What the controller tests share: the shipped mode names, request features with defaults, and policies
-parsed from inline YAML."""
+"""What the controller tests share: the shipped mode names, request features with defaults, policies parsed from
+inline YAML, and a run of the shipped gate report."""
 
 from __future__ import annotations
 
+import json
+
 from modeswitch.controller.features import Features
 from modeswitch.controller.load import parse_policy
+from modeswitch.controller.quality import REFERENCE, runs
 from modeswitch.modes import load_modes
+from modeswitch.resources import shipped_report
 from modeswitch.yamlconf import load_yaml
 
 MODES = [m.name for m in load_modes()]
@@ -19,3 +23,10 @@ def feats(**kw) -> Features:
 
 def policy_from(text: str, name: str = "p.yaml"):
     return parse_policy(load_yaml(name, text), name, MODES)
+
+
+def shipped_run(engine: str = "vllm", compute: str = "bfloat16") -> dict:
+    """The run of the shipped gate report for the demo on ``engine`` whose reference computed in ``compute``: for
+    deciding over modes without engines (no kernels card), which the gate judges by whatever run it is given."""
+    report = json.loads(shipped_report("demo", engine).read_text())
+    return next(r for r in runs(report) if r["kernels"][REFERENCE]["compute"] == compute)

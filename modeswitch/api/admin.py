@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flask import Blueprint, jsonify, request
 
+from ..controller.quality import runs
 from ..yamlconf import ConfigError
 from .context import ctx
 from .errors import ApiError
@@ -67,8 +68,9 @@ def reload_gate():
         report = controller.load_quality_report(reload_path(c.report_dirs, REPORT_SUFFIXES, "a gate report"))
     except ConfigError as exc:
         raise ApiError(400, f"gate report not changed: {exc}", param="path", code="invalid_gate_report") from None
-    return jsonify({"report": str(controller.quality_report_path), "date": report.get("date"),
-                    "modes": sorted(report["modes"])})
+    scored = runs(report)
+    return jsonify({"report": str(controller.quality_report_path), "date": scored[-1].get("date"),
+                    "runs": len(scored), "modes": sorted({m for r in scored for m in r["modes"]})})
 
 
 @route(bp, "get", "/policy", Operation("The routing policy in force", PolicyInfo, errors=(403,)))

@@ -44,11 +44,20 @@ class Usage(_Open):
         description="measured: NVML energy counter; estimated: configured power x time, split by a roofline model")
 
 
+class GatePending(_Open):
+    status: Literal["pending"]
+    reason: str = Field(description="how the kernels the mode's gate rows were scored on differ from the ones it "
+                                    "serves on here")
+
+
 class ModeSwitchInfo(_Open):
     """Which mode served the request and why (plus features, timings, cached tokens, retries)."""
 
     mode: str
     reason: str
+    quality_gate: GatePending | None = Field(
+        default=None, description="present when the request pinned a mode whose quality verdict is pending: no gate "
+                                  "row was scored on the kernels it serves on here, so nothing vouches for the answer")
     honoured: list[str] = Field(description="the options the request set (by its field names) that were applied")
     no_effect: list[str] = Field(description="the options the request set that change nothing: OpenAI's "
                                              "bookkeeping fields, and sampling settings of a greedy request")
@@ -142,6 +151,9 @@ class ModeCard(_Open):
     status: Literal["available", "loading", "restarting", "unavailable", "quarantined"]
     backend: str = Field(description="the engine family serving the mode: transformers or vllm")
     reason: str
+    quality_gate: str | None = Field(
+        default=None, description="with a gate report loaded: pass, not in report, why it fails, or 'gate pending: "
+                                  "...' (its rows were scored on other kernels: served only when a request pins it)")
 
 
 class ModeList(_Open):
@@ -167,6 +179,7 @@ class PolicyInfo(_Open):
 
 class GateInfo(_Open):
     report: str
+    runs: int = Field(description="the gate runs the report holds, each scored on one set of kernels")
     modes: list[str]
 
 

@@ -7,6 +7,7 @@ from functools import lru_cache
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..controller.quality import REFERENCE, describe_kernels, kernels_key, runs
 from .context import ctx
 from .errors import ApiError
 from .generation import body
@@ -67,16 +68,22 @@ def modes():
     described = service.registry.describe()
     verdicts = controller.quality_verdicts()
     if verdicts is not None:
-        scored_on = report.get("kernels", {})
         for d in described:
-            d["quality_gate"] = ("not in report" if d["name"] not in verdicts
-                                 else "pass" if verdicts[d["name"]] is None else verdicts[d["name"]])
-            if d["name"] in verdicts:  # the report row it is judged by, the kernels that row was scored on, and
-                # whether they are the ones the mode runs here (another dtype or kernel: the row is another's)
-                row = scored_on.get(d["name"])
-                d["gate_row"] = {"report": controller.quality_report_path.name, "row": d["name"], "scored_on": row,
-                                 "same_kernels": row is not None and row == d.get("kernels")}
-    gate = {"report": str(controller.quality_report_path), "date": report["date"]} if report else {}
+            judged = verdicts.get(d["name"])
+            d["quality_gate"] = ("not in report" if judged is None else "pass" if judged.status == "pass"
+                                 else judged.detail)
+            if judged is not None:  # the report row it is judged by (while pending: the newest, on other kernels),
+                # the kernels that row was scored on, and whether they are the ones the mode runs here
+                d["gate_row"] = {"report": controller.quality_report_path.name, "row": d["name"],
+                                 "run": judged.run.get("date") if judged.run else None, "scored_on": judged.scored_on,
+                                 "same_kernels": judged.scored_on is not None
+                                 and kernels_key(judged.scored_on) == kernels_key(d.get("kernels"))}
+    gate = {}
+    if report:
+        scored = runs(report)
+        gate = {"report": str(controller.quality_report_path), "date": scored[-1].get("date"),
+                "runs": [{"date": r.get("date"), "reference": describe_kernels(r.get("kernels", {}).get(REFERENCE))}
+                         for r in scored]}
     gate["holds_for"] = service.registry.gate_key  # the report name (evals/reports/<model>-<this>.json) it needs
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},
                     "quality_gate": gate, "memory": service.registry.memory(),

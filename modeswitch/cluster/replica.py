@@ -89,7 +89,7 @@ class ReplicaServer:
         available = [m.name for m in service.registry.available()]
         verdicts = service.controller.quality_verdicts()
         if verdicts is not None:
-            available = [m for m in available if verdicts.get(m) is None]
+            available = [m for m in available if m not in verdicts or verdicts[m].status == "pass"]
         load = occupancy(service.registry)
         rates = [s.j_per_token for s in service.registry.modes.values()
                  if s.j_per_token is not None and s.name in available]

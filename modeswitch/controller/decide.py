@@ -9,6 +9,7 @@ working policy and requests in progress keep the policy they started with.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,12 +23,26 @@ from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
 from .policy import Policy
-from .quality import judge
+from .quality import REFERENCE, Judged, judge_mode, runs
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
+log = logging.getLogger(__name__)
+
 _NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
 _EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
+
+
+def _read_report(path: Path) -> dict:
+    """A gate report read and checked: every run has the reference's results."""
+    try:
+        report = json.loads(path.read_text())
+        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE not in r["modes"]
+                                   for r in runs(report)):
+            raise ValueError(f"a run has no {REFERENCE} reference results")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+    return report
 
 
 class NoEligibleMode(RuntimeError):
@@ -49,9 +64,14 @@ class Decision:
     #: what deciding cost: the deciding thread's CPU time (the work the decision does), and the wall time it took
     #: (that work plus any time the thread waited for a core or the interpreter lock other threads held)
     decision_us: float = 0.0
-    rule: str = ""  # the rule that matched, "default", or "pinned" (a low-cardinality metrics label)
+    #: the rule that matched, "default", "pinned", or "pinned-gate-pending" (a low-cardinality metrics label: the
+    #: decisions counter counts the answers no quality verdict vouched for under it)
+    rule: str = ""
     prediction: Mapping | None = None  # what the policy expected of the chosen mode (and of the runner-up)
     decision_wall_us: float = 0.0
+    #: why the chosen mode's quality verdict was pending (pinned: its gate rows were scored on other kernels); empty
+    #: when the gate had passed it
+    gate_pending: str = ""
 
 
 class Controller:
@@ -67,6 +87,9 @@ class Controller:
         self.costs = costs if costs is not None else CostModel()
         self.quality_report: dict | None = None
         self.quality_report_path: Path | None = None
+        #: a directory of gate runs this machine scored itself (see ``modeswitch.evals.behind``): the report of the
+        #: same file name there is read with the report, its runs the newest
+        self.quality_cache: Path | None = None
         self.gates = gates(kv_bytes_per_token)
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
@@ -113,11 +136,14 @@ class Controller:
         cycle = Cycle(features, self.policy, self.quality_report)
         policy = cycle.policy
         filtered = self._filter(cycle, exclude)
+        pending = ""
         if pinned is not None:
-            if pinned in filtered:
-                raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {filtered[pinned]}",
-                                     filtered[pinned].code)
+            refused = filtered.get(pinned)
             mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
+            if refused is not None and refused.code is Code.GATE_PENDING:  # pinning is how a pending mode is served
+                pending, reason, rule = refused.detail, f"pinned by the request; {refused.detail}", "pinned-gate-pending"
+            elif refused is not None:
+                raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {refused}", refused.code)
         else:
             choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step))
             if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
@@ -130,7 +156,7 @@ class Controller:
                 prediction = choice.prediction
         spent_us = (time.thread_time_ns() - cpu) / 1e3
         wall_us = (time.perf_counter() - start) * 1e6
-        return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, prediction, wall_us)
+        return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, prediction, wall_us, pending)
 
     def add_observer(self, observer: Observer) -> None:
         """Have ``observer`` called with every completed request."""
@@ -152,7 +178,8 @@ class Controller:
                   filtered: Mapping[str, Verdict]) -> tuple[str, str, str] | None:
         """When the policy's own modes are all filtered, any mode that passed every gate rather than an error,
         in two cases: memory pressure (the memory gate lets only preallocated-KV modes through), and modes still
-        loading after a staged start (the request gets the same answer, later modes or not). (mode, why, rule)."""
+        loading after a staged start or with their quality verdict pending (the request gets an answer of a mode the
+        gate passed rather than none). (mode, why, rule)."""
         spare = next((name for name in self.modes if name not in filtered), None)
         if spare is None:
             return None
@@ -160,26 +187,34 @@ class Controller:
             return spare, f"memory pressure: degraded to {spare} (its KV is reserved at start)", "memory-degrade"
         if any(v.code is Code.LOADING for v in filtered.values()):
             return spare, f"served by {spare} while those load", "while-loading"
+        if any(v.code is Code.GATE_PENDING for v in filtered.values()):
+            return spare, f"served by {spare} while their quality gate is pending", "while-gate-pending"
         return None
 
-    def quality_verdicts(self, task: str = "general") -> dict[str, str | None] | None:
-        """Per mode in the gate report, why it fails the current policy's quality tolerances for ``task`` (None:
-        it passes); None when no report is loaded. What ``/v1/modes`` shows and a cluster replica publishes."""
-        if self.quality_report is None:
+    def quality_verdicts(self, task: str = "general") -> dict[str, Judged] | None:
+        """Per resident mode the gate report has a row for: its verdict under the current policy's tolerances for
+        ``task`` on the kernels it serves on now; None when no report is loaded. What ``/v1/modes`` shows and a
+        cluster replica publishes."""
+        report = self.quality_report
+        if report is None:
             return None
-        return judge(self.quality_report, self.policy.quality, task)
+        judged = {name: judge_mode(report, self.policy.quality, task, name, mode.kernels)
+                  for name, mode in self.modes.items()}
+        return {name: j for name, j in judged.items() if j is not None}
 
     def load_quality_report(self, path: str | Path | None = None) -> dict | None:
-        """Read the gate report (default: the one loaded before); a missing or broken file changes nothing."""
+        """Read the gate report (default: the one loaded before) with the runs of its namesake in
+        :attr:`quality_cache`; a missing or broken report changes nothing, a broken cached one is left out."""
         path = Path(path) if path else self.quality_report_path
         if path is None:
             raise ConfigError("no quality gate report configured (--gate-report)")
-        try:
-            report = json.loads(Path(path).read_text())
-            if not isinstance(report.get("modes"), dict) or "fp16" not in report["modes"]:
-                raise ValueError("it has no fp16 reference results")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+        report = _read_report(path)
+        cached = self.quality_cache / path.name if self.quality_cache else None
+        if cached is not None and cached.is_file():
+            try:
+                report = {**report, "runs": [*runs(report), *runs(_read_report(cached))]}
+            except ConfigError as exc:
+                log.warning("quality gate: the runs scored here are left out: %s", exc)
         self.quality_report, self.quality_report_path = report, path
         return report
 

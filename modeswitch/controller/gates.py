@@ -14,7 +14,7 @@ from typing import Mapping, Protocol
 
 from .features import Features
 from .policy import Policy
-from .quality import judge
+from .quality import Judged, judge_mode, kernels_key
 from .verdicts import Code, Verdict
 from .view import ModeView
 
@@ -99,30 +99,44 @@ _NOT_IN_REPORT = Verdict(Code.QUALITY, "not in the quality gate report (require_
 
 
 class QualityGate:
-    """The mode's accuracy delta vs fp16, from the gate report, is within the policy's tolerance for the
-    request's task family. Verdicts are computed once per (report, policy, family) and then looked up."""
+    """The mode's accuracy delta vs fp16, from the gate report's row scored on the kernels the mode serves on, is
+    within the policy's tolerance for the request's task family. A mode whose rows were all scored on other kernels
+    (another dtype, kernel or weight format: another machine's verdict) is pending: filtered with
+    ``Code.GATE_PENDING``, which a request that pins the mode passes (the response says so); under ``require_gate``
+    it is refused like a mode the report does not cover. Verdicts are computed once per (report, policy, family,
+    mode, kernels) and then looked up."""
 
     name = "quality"
 
     def __init__(self) -> None:
-        self._verdicts: dict = {}
-
-    def verdicts(self, report: Mapping, policy: Policy, family: str) -> dict[str, Verdict | None]:
-        key = (id(report), id(policy), family)
-        if key not in self._verdicts:
-            judged = judge(report, policy.quality, family)
-            self._verdicts = {key: {mode: None if why is None else Verdict(Code.QUALITY, why)
-                                    for mode, why in judged.items()}}  # older keys are stale
-        return self._verdicts[key]
+        #: (report, policy, family) -> {(mode, kernels): verdict}, for the latest key only (older ones are stale);
+        #: one tuple, swapped whole, so a thread deciding under an older key never writes into the newer cache
+        self._cache: tuple[tuple, dict] = ((), {})
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         quality, report = cycle.policy.quality, cycle.quality_report
         if report is None:
             return _NO_REPORT if quality.require_gate else None
-        verdicts = self.verdicts(report, cycle.policy, cycle.features.task)
-        if mode.name not in verdicts:
-            return _NOT_IN_REPORT if quality.require_gate else None
-        return verdicts[mode.name]
+        key = (id(report), id(cycle.policy), cycle.features.task)
+        cached, verdicts = self._cache
+        if cached != key:
+            verdicts = {}
+            self._cache = (key, verdicts)
+        card = mode.kernels
+        per_mode = (mode.name, kernels_key(card))
+        if per_mode not in verdicts:
+            verdicts[per_mode] = self._verdict(judge_mode(report, quality, cycle.features.task, mode.name, card),
+                                               quality.require_gate)
+        return verdicts[per_mode]
+
+    @staticmethod
+    def _verdict(judged: Judged | None, require_gate: bool) -> Verdict | None:
+        if judged is None:
+            return _NOT_IN_REPORT if require_gate else None
+        if judged.status == "pending":
+            return Verdict(Code.QUALITY, f"{judged.detail} (require_gate)") if require_gate \
+                else Verdict(Code.GATE_PENDING, judged.detail)
+        return None if judged.status == "pass" else Verdict(Code.QUALITY, judged.detail)
 
 
 class MemoryGate:

@@ -3,13 +3,15 @@
 One function judges, for everything that shows or enforces a verdict: the gate report (its per-task
 ``pass`` and its markdown), the router's quality gate and ``/v1/modes``. Two copies of this judgement
 disagreed before: they read their tolerances from different places, and a metric that came out NaN
-failed in the report but passed the router. Pure Python, so the server imports it without lm-eval.
+failed in the report but passed the router. A report may hold runs scored on several machines' kernels; a mode is
+judged by the row scored on the kernels it serves on (:func:`judge_mode`), and is pending where there is none. Pure
+Python, so the server imports it without lm-eval.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,76 @@ def judge(report: dict | None, quality: QualityPolicy, family: str) -> dict[str,
                     failures.append(why)
         verdicts[mode] = f"fails the quality gate ({', '.join(failures)})" if failures else None
     return verdicts
+
+
+#: the mode every delta is measured against: its verdict is a pass by definition, so it needs no row scored on the
+#: kernels it serves on
+REFERENCE = "fp16"
+
+#: the fields of a kernels card (``/v1/modes`` ``kernels``) that decide what a row's scores hold for. The engine's
+#: name is not one: the same kernels score the same in whichever engine a layout puts them.
+KERNEL_FIELDS = ("weights", "weight_format", "activations", "compute", "kernel")
+
+
+def runs(report: Mapping) -> list[Mapping]:
+    """The gate runs a report holds, oldest first: each scored every mode on one machine's kernels against a
+    reference on the same kernels. The gate writes them under ``runs``; a report of a single run (its ``modes`` at
+    the top) is that one run."""
+    return list(report["runs"]) if "runs" in report else [report]
+
+
+def kernels_key(card: Mapping | None) -> tuple | None:
+    """What a row's kernels must equal for its scores to hold for a mode (None: the card is not known)."""
+    return None if card is None else tuple(card.get(f) for f in KERNEL_FIELDS)
+
+
+def describe_kernels(card: Mapping | None) -> str:
+    """A kernels card in one phrase: weights x activations (compute dtype), kernel."""
+    if not card:
+        return "–"
+    return f"{card['weights']} x {card['activations']} ({card['compute']}), {card['kernel']}"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A mode's quality verdict as the server stands: ``pass``, ``fail`` or ``pending`` (its rows were scored on
+    other kernels than the ones it serves on here, so no verdict holds for it yet), why (empty on a pass), the run
+    whose row it is judged by (None while pending) and the kernels card of the row shown (when pending: the newest
+    row's, on other kernels)."""
+
+    status: str
+    detail: str
+    run: Mapping | None
+    scored_on: Mapping | None
+
+
+def judge_mode(report: Mapping, quality: QualityPolicy, family: str, mode: str,
+               card: Mapping | None) -> Judged | None:
+    """``mode``'s verdict for ``family`` when it serves on the kernels ``card`` describes; None when no run has a
+    row for it. The row that counts is the newest whose kernels equal ``card`` (:data:`KERNEL_FIELDS`). Where
+    every row was scored on other kernels the mode is pending, except the reference, which passes on any kernels.
+    A mode whose engine does not describe its kernels (``card`` None) is judged by the newest row, as
+    :func:`~modeswitch.weights.precision.mismatch` takes such an engine at its word."""
+    holding = [r for r in runs(report) if mode in r["modes"]]
+    if not holding:
+        return None
+    newest = holding[-1]
+    if card is not None:
+        key = kernels_key(card)
+        same = [r for r in holding if kernels_key(r.get("kernels", {}).get(mode)) == key]
+        if not same:
+            row = newest.get("kernels", {}).get(mode)
+            if mode == REFERENCE:
+                return Judged("pass", "", None, row)
+            return Judged("pending", f"gate pending: its rows were scored on other kernels ({_differences(row, card)})",
+                          None, row)
+        newest = same[-1]
+    why = judge(newest, quality, family).get(mode)
+    return Judged("pass" if why is None else "fail", why or "", newest, newest.get("kernels", {}).get(mode))
+
+
+def _differences(row: Mapping | None, card: Mapping) -> str:
+    """How a row's kernels differ from the ones a mode serves on, e.g. ``compute bfloat16 there, float32 here``."""
+    if row is None:
+        return "the row does not record them"
+    return "; ".join(f"{f} {row.get(f)} there, {card.get(f)} here" for f in KERNEL_FIELDS if row.get(f) != card.get(f))

@@ -23,6 +23,7 @@ class Code(enum.Enum):
     CAPABILITY = "capability"    # it cannot honour the request (sampling, prompt logprobs)
     SATURATED = "saturated"      # its bounded queue is full
     QUALITY = "quality"          # it fails the quality gate for the request's task family
+    GATE_PENDING = "gate_pending"  # its gate rows were scored on other kernels: served only when a request pins it
     MEMORY = "memory"            # memory pressure, and it would allocate KV for the request
     ENERGY = "energy"            # its running J/token is over the cap that applies
 
@@ -36,8 +37,8 @@ TRANSIENT = frozenset({Code.SATURATED, Code.QUARANTINED, Code.MEMORY, Code.LOADI
 
 #: When every mode is filtered, the code a refusal carries: the most hopeful first (waiting helps, the
 #: soonest first), then the most specific to this request, then the ones about the mode alone.
-PRECEDENCE = (Code.SATURATED, Code.QUARANTINED, Code.LOADING, Code.MEMORY, Code.CAPABILITY, Code.QUALITY, Code.ENERGY,
-              Code.EXCLUDED, Code.UNAVAILABLE, Code.NOT_LOADED)
+PRECEDENCE = (Code.SATURATED, Code.QUARANTINED, Code.LOADING, Code.MEMORY, Code.CAPABILITY, Code.GATE_PENDING,
+              Code.QUALITY, Code.ENERGY, Code.EXCLUDED, Code.UNAVAILABLE, Code.NOT_LOADED)
 
 
 @dataclass(frozen=True, slots=True)

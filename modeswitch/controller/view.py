@@ -64,5 +64,10 @@ class ModeView(Protocol):
         """The failure that quarantined it."""
 
     @property
+    def kernels(self) -> dict | None:
+        """What its linears run here (its ``/v1/modes`` card's ``kernels``; None where its engine cannot say, or
+        before it is built): the quality gate judges it by a row scored on these."""
+
+    @property
     def j_per_token(self) -> float | None:
         """Running J per generated token over its completed requests (None before the first)."""

@@ -15,6 +15,7 @@ prefix-cached decoding are what gets scored there. Tokenization follows lm-eval'
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from lm_eval import models as _builtin_models  # noqa: F401  (load the registry first, or 'hf' disappears)
 from lm_eval.api.model import TemplateLM
@@ -27,6 +28,7 @@ from ..config import NO_GATE, LoadConfig, ServerConfig
 from ..controller.rules import RulePolicy
 from ..sampling_params import SamplingParams
 from ..modes import ModeSpec
+from ..serving.service import Service
 
 #: scoring requests a derived scoring mode takes at once: a batching engine (vLLM) scores them in one batch
 SCORING_WINDOW = 16
@@ -50,10 +52,20 @@ class ModeSwitchLM(TemplateLM):
     def __init__(self, model: str = ServerConfig.model, mode: str = "fp16", max_length: int = 2048,
                  batch_size: int = 1, device: str = LoadConfig.device, gptq: str | None = None,
                  backend: str = "transformers", spec: ModeSpec | None = None, dtype: str = LoadConfig.dtype,
+                 service: Service | None = None, before_request: Callable[[], None] | None = None,
                  **kwargs) -> None:
         """``mode`` names a mode of modes/ or modes/extra, or ``spec`` gives one (the gate passes its own);
-        ``backend`` is the engine family and ``dtype`` the reference dtype, as ``serve.py`` takes them."""
+        ``backend`` is the engine family and ``dtype`` the reference dtype, as ``serve.py`` takes them.
+        ``service``: score ``mode`` on a running server's service instead of building one (see :meth:`_on`);
+        ``before_request``: called before each request is sent (a server's scorer waits there for idle engines)."""
         super().__init__()
+        self._before = before_request or (lambda: None)
+        #: the longest one of its requests took, first token to last (what a request behind it could wait for)
+        self.longest_s = 0.0
+        self._owned = service is None
+        if service is not None:
+            self._on(service, mode, max_length)
+            return
         if spec is None:
             specs = {m.name: m for m in all_shipped_modes()}
             if mode not in specs:
@@ -82,6 +94,29 @@ class ModeSwitchLM(TemplateLM):
                 raise RuntimeError(f"mode {name} is unavailable: {state.reason}")
         self.tokenizer = self.registry.tokenizer
         self._max_length = max_length
+
+    def _on(self, service: Service, mode: str, max_length: int) -> None:
+        """Score ``mode`` on ``service`` as it serves: its prompts on a resident mode of the same weights that
+        returns prompt logprobs (a plain one first, else the mode itself), one request at a time."""
+        self.service, self.registry, self.mode = service, service.registry, mode
+        state = self.registry.modes.get(mode)
+        if state is None or not state.available:
+            raise RuntimeError(f"mode {mode} is not available here")
+        same = [s for s in self.registry.modes.values() if s.available and s.spec.weights == state.spec.weights
+                and "prompt_logprobs" in s.capabilities]
+        plain = [s for s in same if scoring_mode(s.spec) is s.spec]
+        scorer = next(iter(plain), state if any(s is state for s in same) else None)
+        if scorer is None:
+            raise RuntimeError(f"no mode on {state.spec.weights} weights here returns prompt logprobs")
+        self.scored_on, self.window = scorer.name, 1
+        self.backend, self.kernels = self.registry.gate_key, state.kernels
+        self.tokenizer = self.registry.tokenizer
+        self._max_length = min(max_length, self.registry.context_length - 2)
+
+    def close(self) -> None:
+        """Close the engines this model built (a running server's stay up)."""
+        if self._owned:
+            self.registry.close()
 
     # ------------------------------------------------------------------ tokenization (as lm-eval's hf model)
     @property
@@ -112,12 +147,14 @@ class ModeSwitchLM(TemplateLM):
         bar = tqdm(total=len(pairs), disable=disable_tqdm, desc=desc)
         for start in range(0, len(pairs), self.window):
             window = pairs[start:start + self.window]
+            self._before()
             sequences = [(ctx + cont)[-(self.max_length + 1):] for ctx, cont in window]
             gens = [self.service.start(seq, SamplingParams(max_tokens=1, prompt_logprobs=1), mode=self.scored_on)
                     for seq in sequences]
             for gen, seq, (_, cont) in zip(gens, sequences, window):
                 for _ in gen.deltas():  # the one generated token; the scores come with the end of the request
                     pass
+                self._took(gen)
                 positions = range(len(seq) - len(cont), len(seq))
                 total = sum(gen.logprobs["token_logprobs"][i] for i in positions)
                 greedy = all(max(gen.logprobs["top_logprobs"][i].items(), key=lambda kv: kv[1])[0] == seq[i]
@@ -148,8 +185,14 @@ class ModeSwitchLM(TemplateLM):
             max_tokens = int(gen_kwargs.get("max_gen_toks", 256))
             temperature = float(gen_kwargs.get("temperature", 0.0)) if gen_kwargs.get("do_sample") else 0.0
             prompt = self.tok_encode(context)[-(self.max_length - max_tokens):]
+            self._before()
             gen = self.service.start(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature),
                                      stop=tuple(until), mode=self.mode)
             gen.prime()
             out.append("".join(gen.deltas()))
+            self._took(gen)
         return out
+
+    def _took(self, gen) -> None:
+        if gen.finished_at is not None:
+            self.longest_s = max(self.longest_s, gen.finished_at - gen.started_at)

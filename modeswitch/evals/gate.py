@@ -2,6 +2,7 @@
 
     python -m modeswitch.evals.gate --model demo [--backend auto|vllm|transformers] [--limit 200]
         [--tasks jargon_cloze,jargon_ppl,jargon_copy] [--policy policies/NAME.yaml] [--dtype float32]
+    python -m modeswitch.evals.gate --merge REPORT [--out DIR]
 
 Every mode is scored on the engine family that serves it (``--backend``, resolved as ``serve.py`` resolves it):
 a quantization is judged as that engine runs it (vLLM's int8 weight-only kernels are not bitsandbytes'
@@ -13,7 +14,9 @@ better, in [0, 1]) in percentage points; perplexity-like metrics (lower is bette
 in percent. Pass/fail is judged by ``controller.quality`` (what the router and ``/v1/modes`` use too) with
 the tolerances of a policy's ``quality`` block (``--policy``; without one, the defaults of
 :class:`QualityPolicy`). The reference is the server's (``--dtype``, default: the device's native 16-bit type),
-and the report records per mode the kernels its row was scored on (its ``/v1/modes`` card, ``kernels``).
+and the run records per mode the kernels its row was scored on (its ``/v1/modes`` card, ``kernels``) and the machine.
+A report holds one run per set of kernels (``runs``): a new run replaces the one scored on the same kernels and
+keeps the others, so one file serves every machine class, each judged by the rows scored on its own kernels.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from pathlib import Path
 
 from ..config import BACKENDS, DTYPES, LoadConfig, ServerConfig
 from ..controller.load import load_policy
-from ..controller.quality import QualityPolicy, change, judge, task_failure
+from ..controller.quality import (REFERENCE, QualityPolicy, change, describe_kernels, judge, kernels_key, runs,
+                                  task_failure)
+from ..device import machine
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
 from .intervals import CONFIDENCE, documents_needed, paired_interval, per_document, uncertain
@@ -82,8 +87,18 @@ def mark(report: dict) -> None:
 def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, quality: QualityPolicy = QualityPolicy(),
              gptq: str | None = None, backend: str = "transformers", dtype: str = LoadConfig.dtype,
              progress=print) -> dict:
+    """Every mode of ``modes_dirs`` scored on engines built for it alone, as ``serve.py`` would build them."""
     from .adapter import ModeSwitchLM
 
+    return score_modes(model, load_modes(*modes_dirs),
+                       lambda spec: ModeSwitchLM(model=model, spec=spec, gptq=gptq, backend=backend, dtype=dtype),
+                       tasks, limit, quality, progress)
+
+
+def score_modes(model: str, specs, open_lm, tasks=TASKS, limit: int | None = None,
+                quality: QualityPolicy = QualityPolicy(), progress=print) -> dict:
+    """A gate run over ``specs`` (the reference among them): ``open_lm(spec)`` gives the lm-eval model that scores
+    a mode (a RuntimeError: the mode is unavailable, and listed so)."""
     kinds = task_kinds(tasks)
     scoring = [t for t, k in kinds.items() if k["output_type"] in SCORING]
     generating = [t for t in kinds if t not in scoring]
@@ -95,10 +110,10 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
     unavailable: dict[str, str] = {}
     kernels: dict[str, dict | None] = {}
     served_by = None
-    for spec in load_modes(*modes_dirs):
+    for spec in specs:
         t0 = time.perf_counter()
         try:
-            lm = ModeSwitchLM(model=model, spec=spec, gptq=gptq, backend=backend, dtype=dtype)
+            lm = open_lm(spec)
         except RuntimeError as exc:
             unavailable[spec.name] = str(exc)
             progress(f"gate: {spec.name}: unavailable ({exc})")
@@ -111,7 +126,7 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
             if generating:
                 evaluated.append(evaluate(lm, generating, limit, log_samples=True))
         finally:
-            lm.registry.close()
+            lm.close()
         results = {t: r for e in evaluated for t, r in e["results"].items()}
         documents[spec.name] = {t: per_document(s, kinds[t]["metric"]) for e in evaluated
                                 for t, s in e["samples"].items() if t in kinds}
@@ -120,15 +135,15 @@ def run_gate(model: str, modes_dirs, tasks=TASKS, limit: int | None = None, qual
                             for t in kinds}
         progress(f"gate: {spec.name}: " + ", ".join(f"{t} {v['value']:.4g}" for t, v in modes[spec.name].items())
                  + f" ({time.perf_counter() - t0:.0f} s)")
-    if "fp16" not in modes:
-        raise RuntimeError("the fp16 mode is the reference and must be available for the gate")
+    if REFERENCE not in modes:
+        raise RuntimeError(f"the {REFERENCE} mode is the reference and must be available for the gate")
     import lm_eval
     import torch
     import transformers
 
     report = {"model": model, "backend": served_by, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "limit": limit,
-              "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes, "kernels": kernels,
-              "unavailable": unavailable, "documents": documents,
+              "machine": machine(), "tolerance": quality.tolerance(), "tasks": kinds, "modes": modes,
+              "kernels": kernels, "unavailable": unavailable, "documents": documents,
               "seconds": round(time.perf_counter() - started, 1),
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__, "lm_eval": lm_eval.__version__}}
@@ -141,12 +156,20 @@ def _num(x):
 
 
 def render(report: dict) -> str:
-    """The report as markdown; a mode's verdict is what the router's quality gate and ``/v1/modes`` say for
-    the ``general`` task family under the report's tolerances."""
+    """A report as markdown, one section per run (oldest first). A mode's verdict in a run is what the router's
+    quality gate and ``/v1/modes`` say for the ``general`` task family under the run's tolerances, on a machine
+    whose kernels are the ones that run scored it on."""
+    return "\n".join(render_run(run) for run in runs(report))
+
+
+def render_run(report: dict) -> str:
+    """One gate run as a markdown section."""
     tasks = list(report["tasks"])
     verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
     backend = f" on {report['backend']}" if report.get("backend") else ""
-    lines = [f"# Quality gate: {report['model']}{backend} ({report['date']})", "",
+    reference = describe_kernels(report.get("kernels", {}).get(REFERENCE))
+    lines = [f"# Quality gate: {report['model']}{backend}, reference {reference} ({report['date']})", "",
+             *([f"Scored on {report['machine']}.", ""] if report.get("machine") else []),
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "
              f"{report['tolerance']['max_drop_pp']} pp, perplexity increase <= "
              f"{report['tolerance']['max_ppl_increase_pct']} %. Took {report['seconds']:.0f} s. Deltas carry the "
@@ -169,22 +192,34 @@ def render(report: dict) -> str:
         if any(per_task[t].get("uncertain") for t in tasks):
             verdict += " (uncertain)"
         lines.append(f"| {mode} | " + " | ".join(cells) + f" | {verdict} | "
-                     f"{linears(report.get('kernels', {}).get(mode))} |")
+                     f"{describe_kernels(report.get('kernels', {}).get(mode))} |")
     for mode, why in report["unavailable"].items():
         lines.append(f"| {mode} | " + " | ".join("–" for _ in tasks) + f" | unavailable: {why} | – |")
     return "\n".join(lines) + "\n"
 
 
-def linears(card: dict | None) -> str:
-    """A kernels card in one cell: weights x activations (compute dtype), kernel."""
-    if not card:
-        return "–"
-    return f"{card['weights']} x {card['activations']} ({card['compute']}), {card['kernel']}"
+def run_kernels(run: dict) -> dict:
+    """What a run was scored on: each mode's kernels (:func:`kernels_key`), the engines' names left out."""
+    return {mode: kernels_key(card) for mode, card in run.get("kernels", {}).items()}
 
 
-def write(report: dict, out_dir: Path = REPORTS_DIR) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = shipped_report(report["model"], report["backend"], out_dir)
+def merged(existing: dict | None, run: dict) -> dict:
+    """The report ``existing`` with ``run`` added as its newest run. A run on the same kernels, mode for mode, is
+    replaced (the same machine scored again); runs on other kernels are kept, since each holds on the machines
+    that serve those kernels (a bf16 run on AVX-512 CPUs, a float32 run on AVX2 ones)."""
+    kept = [r for r in runs(existing) if run_kernels(r) != run_kernels(run)] if existing else []
+    return {"model": run["model"], "backend": run["backend"], "runs": [*kept, run]}
+
+
+def write(run: dict, out_dir: Path = REPORTS_DIR) -> Path:
+    """Add ``run`` to the report for its model and engine in ``out_dir``; returns its path."""
+    return add_run(shipped_report(run["model"], run["backend"], out_dir), run)
+
+
+def add_run(path: Path, run: dict) -> Path:
+    """Add ``run`` to the report at ``path`` (see :func:`merged`) and write its markdown beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = merged(json.loads(path.read_text()) if path.is_file() else None, run)
     path.write_text(json.dumps(report, indent=2))
     path.with_suffix(".md").write_text(render(report))
     return path
@@ -205,7 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=None,
                     help="judge with this policy's quality tolerances, as the server running it does "
                          "(default: the defaults a policy without a quality block has)")
+    ap.add_argument("--merge", default=None, metavar="REPORT",
+                    help="score nothing: add the runs of REPORT (written by this command elsewhere, e.g. on another "
+                         "machine) to the report for its model and engine in --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        path = None
+        for run in runs(json.loads(Path(args.merge).read_text())):
+            path = write(run, Path(args.out))
+        print(f"report: {path}")
+        return 0
     modes_dirs = [Path(d) for d in (args.modes_dir or [DEFAULT_MODES_DIR])]
     quality = QualityPolicy()
     if args.policy:

@@ -25,11 +25,17 @@ class Admission:
         self.draining = False
         self._by_client: dict[str, int] = defaultdict(int)
         self._active = 0
+        self._last_left = time.monotonic()
         self._cond = threading.Condition()
 
     @property
     def active(self) -> int:
         return self._active
+
+    def idle_s(self) -> float:
+        """Seconds since the last admitted request was answered; 0 while one is in flight (what work behind the
+        requests waits on, see ``modeswitch.evals.behind``)."""
+        return 0.0 if self._active else time.monotonic() - self._last_left
 
     def enter(self, client: str) -> None:
         """Admit one request of ``client`` or raise :class:`Refused` (503 draining, 429 over the client's limit)."""
@@ -48,6 +54,7 @@ class Admission:
             if not self._by_client[client]:
                 del self._by_client[client]
             self._active -= 1
+            self._last_left = time.monotonic()
             self._cond.notify_all()
 
     def drain(self, timeout: float) -> bool:

@@ -147,6 +147,10 @@ class ModeState:
         return self.engine.capabilities if self.engine is not None else OPTIONS
 
     @property
+    def kernels(self) -> dict | None:
+        return self.details.get("kernels")
+
+    @property
     def preallocated_kv(self) -> bool:
         """True when a request allocates no new memory (KV reserved at start); an engine-less mode claims
         nothing it would allocate either."""

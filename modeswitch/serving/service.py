@@ -336,6 +336,8 @@ class Generation:
         }
         if self.attempts:
             out["attempts"] = self.attempts
+        if self.decision.gate_pending:  # pinned to a mode no quality verdict holds for on these kernels yet
+            out["quality_gate"] = {"status": "pending", "reason": self.decision.gate_pending}
         return out
 
 

@@ -127,7 +127,8 @@ def test_gate_report_is_enforced_and_reloadable(tmp_path, degraded_dir):
         assert outside.status_code == 400 and outside.json()["error"]["code"] == "path_not_allowed"
         # a report in which the degraded mode passes is picked up without a restart
         edited = json.loads(path.read_text())
-        edited["modes"]["degraded"] = edited["modes"]["fp16"]
+        scored = edited["runs"][-1]  # the run write() added
+        scored["modes"]["degraded"] = scored["modes"]["fp16"]
         path.write_text(json.dumps(edited))
         assert requests.post(url + "/admin/gate", timeout=10).status_code == 200
         info = requests.post(url + "/v1/completions", json=body, timeout=60).json()["modeswitch"]

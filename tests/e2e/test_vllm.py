@@ -203,6 +203,35 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
         assert body["usage"]["energy_j"] > 0
 
 
+def test_the_shipped_gate_report_holds_rows_on_the_kernels_this_server_runs(vllm_server):
+    """The test servers run --gate-report none, so no report changes their routing. This checks the report a server
+    started with their flags (--dtype float32) would enforce: on a machine of a class the report holds a run from
+    (the same CPU flags), every mode it serves has a row scored on its kernels, and none is gate pending. Elsewhere
+    the modes would be pending, which is the gate working: skipped, naming them."""
+    import json
+    import re
+
+    from modeswitch.controller.quality import QualityPolicy, judge_mode, runs
+    from modeswitch.device import machine
+    from modeswitch.resources import shipped_report
+
+    listing = modes(vllm_server)
+    report = json.loads(shipped_report("demo", listing["quality_gate"]["holds_for"]).read_text())
+    cards = {m["name"]: m.get("kernels") for m in listing["modes"] if m["status"] == "available"}
+    verdicts = {name: judge_mode(report, QualityPolicy(), "general", name, card) for name, card in cards.items()}
+    pending = sorted(name for name, judged in verdicts.items() if judged is not None and judged.status == "pending")
+    assert all(judged is not None for judged in verdicts.values()), verdicts  # every mode has rows
+
+    def flags(described: str) -> str:  # "cpu NAME [avx2 ...] xCORES": the flags that pick the kernels
+        found = re.search(r"\[(.*?)\]", described)
+        return found.group(1) if found else described
+
+    if not any(flags(r.get("machine", "")) == flags(machine()) for r in runs(report)):
+        pytest.skip(f"no run of the shipped report was scored on a machine like this one ({machine()}): "
+                    f"{', '.join(pending) or 'no mode'} gate pending")
+    assert pending == [], {name: verdicts[name].detail for name in pending}
+
+
 def test_greedy_fp16_equals_the_transformers_engine(vllm_server, server):
     for prompt in PROMPTS:
         ours = complete(vllm_server, prompt, "fp16")["choices"][0]["text"]

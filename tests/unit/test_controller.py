@@ -42,6 +42,7 @@ class Mode:
     quarantine_left: float = 0.0
     last_error: str = ""
     j_per_token: float | None = None
+    kernels: dict | None = None
 
 
 def controller(policy_text: str, *modes: Mode, defined=()) -> Controller:

@@ -14,7 +14,7 @@ from modeswitch.controller.costs import Binding, CostModel, stream_key
 from modeswitch.controller.curves import Curve, StreamCosts
 from modeswitch.resources import DEFAULT_POLICY
 from modeswitch.testing.engine import Script
-from policy_text import feats, policy_from
+from policy_text import feats, policy_from, shipped_run
 
 FASTEST = DEFAULT_POLICY.read_text()
 
@@ -315,13 +315,10 @@ def test_an_unmeasured_speculative_mode_masks_nothing(make_app):
 def test_the_quality_gate_comes_before_the_prediction():
     """The default policy with the shipped vLLM gate report: int8 measured fastest serves; in a report where int8
     fails the gate it never does, however fast, and the fastest of the rest serves."""
-    import json
-
     from modeswitch.config import LoadConfig
     from modeswitch.controller.decide import Controller
     from modeswitch.controller.load import load_policy
     from modeswitch.modes import load_modes
-    from modeswitch.resources import shipped_report
     from modeswitch.serving.registry import ModeRegistry
     from modeswitch.weights.presets import PRESETS
     from policy_text import MODES
@@ -337,7 +334,7 @@ def test_the_quality_gate_comes_before_the_prediction():
         costs.add_prefill(m, 16, 0.01)
         costs.add_step(m, 1, 0.005 if m.startswith("int8") else 0.02 if m.startswith("gptq") else 0.01)
     controller = Controller(pool.modes, load_policy(DEFAULT_POLICY, MODES), costs=costs)
-    report = json.loads(shipped_report("demo", "vllm").read_text())
+    report = shipped_run()
     controller.quality_report = report
     assert controller.decide(feats()).mode == "int8+prefix_cache"
     int8_fails = {m: report["modes"]["gptq"] for m in names if m.startswith("int8")}

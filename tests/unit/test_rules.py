@@ -11,7 +11,7 @@ from modeswitch.controller.load import load_policy
 from modeswitch.controller.verdicts import Code, Verdict
 from modeswitch.modes import load_modes
 from modeswitch.yamlconf import ConfigError
-from policy_text import MODES, feats, policy_from
+from policy_text import MODES, feats, policy_from, shipped_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,19 +124,17 @@ def test_quality_gate_uses_the_policy_tolerance_family_and_require_gate():
 def test_batch_first_batches_int8_first_and_falls_back_to_the_reference_weights_where_the_gate_fails_int8():
     """batch-first.yaml with the shipped vLLM gate report: int8 batched, int8 reading the cache on a shared prefix;
     with a report in which int8 fails, the same requests go to the reference weights' batched and prefix modes."""
-    import json
-
     from modeswitch.controller.decide import Controller
     from modeswitch.weights.presets import PRESETS
     from modeswitch.serving.registry import ModeRegistry
-    from modeswitch.resources import POLICIES_DIR, shipped_report
+    from modeswitch.resources import POLICIES_DIR
 
     modes = load_modes()
     pool = ModeRegistry(PRESETS["demo"], modes, LoadConfig(backend="transformers", device="cpu"))
     for state in pool.modes.values():
         state.status = "available"
     controller = Controller(pool.modes, load_policy(POLICIES_DIR / "batch-first.yaml", MODES))
-    report = json.loads(shipped_report("demo", "vllm").read_text())
+    report = shipped_run()
     controller.quality_report = report
     shared = feats(prefix_match_tokens=200, prefix_match_ratio=0.8,
                    prefix_match_by_mode={"int8+prefix_cache": 200, "prefix_cache": 200})
