@@ -7,7 +7,8 @@ import json
 
 from modeswitch.controller.features import Features
 from modeswitch.controller.load import parse_policy
-from modeswitch.controller.quality import REFERENCE, runs
+from modeswitch.controller.quality import runs
+from modeswitch.weight_kinds import REFERENCE_MODE
 from modeswitch.modes import load_modes
 from modeswitch.resources import shipped_report
 from modeswitch.yamlconf import load_yaml
@@ -29,4 +30,4 @@ def shipped_run(engine: str = "vllm", compute: str = "bfloat16") -> dict:
     """The run of the shipped gate report for the demo on ``engine`` whose reference computed in ``compute``: for
     deciding over modes without engines (no kernels card), which the gate judges by whatever run it is given."""
     report = json.loads(shipped_report("demo", engine).read_text())
-    return next(r for r in runs(report) if r["kernels"][REFERENCE]["compute"] == compute)
+    return next(r for r in runs(report) if r["kernels"][REFERENCE_MODE]["compute"] == compute)

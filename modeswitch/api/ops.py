@@ -7,7 +7,8 @@ from functools import lru_cache
 from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..controller.quality import REFERENCE, describe_kernels, kernels_key, runs
+from ..controller.quality import describe_kernels, kernels_key, runs
+from ..weight_kinds import REFERENCE_MODE
 from .context import ctx
 from .errors import ApiError
 from .generation import body
@@ -82,7 +83,7 @@ def modes():
     if report:
         scored = runs(report)
         gate = {"report": str(controller.quality_report_path), "date": scored[-1].get("date"),
-                "runs": [{"date": r.get("date"), "reference": describe_kernels(r.get("kernels", {}).get(REFERENCE))}
+                "runs": [{"date": r.get("date"), "reference": describe_kernels(r.get("kernels", {}).get(REFERENCE_MODE))}
                          for r in scored]}
     gate["holds_for"] = service.registry.gate_key  # the report name (evals/reports/<model>-<this>.json) it needs
     return jsonify({"modes": described, "policy": {"name": policy.name, "source": policy.source},

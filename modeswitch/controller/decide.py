@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ..weight_kinds import REFERENCE_MODE
 from ..yamlconf import ConfigError
 from .completed import Completed, Observer
 from .costs import CostModel
@@ -23,7 +24,7 @@ from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
 from .policy import Policy
-from .quality import REFERENCE, Judged, judge_mode, runs
+from .quality import Judged, judge_mode, runs
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
@@ -37,9 +38,9 @@ def _read_report(path: Path) -> dict:
     """A gate report read and checked: every run has the reference's results."""
     try:
         report = json.loads(path.read_text())
-        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE not in r["modes"]
+        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE_MODE not in r["modes"]
                                    for r in runs(report)):
-            raise ValueError(f"a run has no {REFERENCE} reference results")
+            raise ValueError(f"a run has no {REFERENCE_MODE} reference results")
     except (OSError, ValueError, AttributeError, TypeError) as exc:
         raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
     return report

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from ..weight_kinds import REFERENCE_MODE
+
 
 @dataclass(frozen=True)
 class QualityPolicy:
@@ -53,7 +55,7 @@ def judge(report: dict | None, quality: QualityPolicy, family: str) -> dict[str,
     """Per mode in the report: None if it passes for ``family``, else why it fails."""
     if report is None:
         return {}
-    base = report["modes"].get("fp16", {})
+    base = report["modes"].get(REFERENCE_MODE, {})
     tasks = [t for t in quality.tasks_for(family, report["tasks"]) if t in report["tasks"]]
     verdicts: dict[str, str | None] = {}
     for mode, per_task in report["modes"].items():
@@ -67,10 +69,6 @@ def judge(report: dict | None, quality: QualityPolicy, family: str) -> dict[str,
         verdicts[mode] = f"fails the quality gate ({', '.join(failures)})" if failures else None
     return verdicts
 
-
-#: the mode every delta is measured against: its verdict is a pass by definition, so it needs no row scored on the
-#: kernels it serves on
-REFERENCE = "fp16"
 
 #: the fields of a kernels card (``/v1/modes`` ``kernels``) that decide what a row's scores hold for. The engine's
 #: name is not one: the same kernels score the same in whichever engine a layout puts them.
@@ -125,7 +123,7 @@ def judge_mode(report: Mapping, quality: QualityPolicy, family: str, mode: str,
         same = [r for r in holding if kernels_key(r.get("kernels", {}).get(mode)) == key]
         if not same:
             row = newest.get("kernels", {}).get(mode)
-            if mode == REFERENCE:
+            if mode == REFERENCE_MODE:
                 return Judged("pass", "", None, row)
             return Judged("pending", f"gate pending: its rows were scored on other kernels ({_differences(row, card)})",
                           None, row)

@@ -29,6 +29,7 @@ from ..controller.rules import RulePolicy
 from ..sampling_params import SamplingParams
 from ..modes import ModeSpec
 from ..serving.service import Service
+from ..weight_kinds import REFERENCE_MODE
 
 #: scoring requests a derived scoring mode takes at once: a batching engine (vLLM) scores them in one batch
 SCORING_WINDOW = 16
@@ -49,7 +50,7 @@ def scoring_mode(spec: ModeSpec) -> ModeSpec:
 class ModeSwitchLM(TemplateLM):
     backend = "causal"
 
-    def __init__(self, model: str = ServerConfig.model, mode: str = "fp16", max_length: int = 2048,
+    def __init__(self, model: str = ServerConfig.model, mode: str = REFERENCE_MODE, max_length: int = 2048,
                  batch_size: int = 1, device: str = LoadConfig.device, gptq: str | None = None,
                  backend: str = "transformers", spec: ModeSpec | None = None, dtype: str = LoadConfig.dtype,
                  service: Service | None = None, before_request: Callable[[], None] | None = None,

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Callable
 
-from ..controller.quality import REFERENCE
 from ..serving.service import Service
+from ..weight_kinds import REFERENCE_MODE
 from .run import TASKS
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class PendingScorer:
             return None
         self.progress(f"quality gate: scoring {', '.join(pending)} on this machine's kernels behind the requests "
                       f"({self.limit} documents a task, one request at a time)")
-        names = [REFERENCE, *(m for m in pending if m != REFERENCE)]
+        names = [REFERENCE_MODE, *(m for m in pending if m != REFERENCE_MODE)]
         specs = [registry.modes[n].spec for n in names if n in registry.modes]
         started = time.perf_counter()
         opened: list[ModeSwitchLM] = []

@@ -31,11 +31,12 @@ from pathlib import Path
 
 from ..config import BACKENDS, DTYPES, LoadConfig, ServerConfig
 from ..controller.load import load_policy
-from ..controller.quality import (REFERENCE, QualityPolicy, change, describe_kernels, judge, kernels_key, runs,
+from ..controller.quality import (QualityPolicy, change, describe_kernels, judge, kernels_key, runs,
                                   task_failure)
 from ..device import machine
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
+from ..weight_kinds import REFERENCE_MODE
 from .intervals import CONFIDENCE, documents_needed, paired_interval, per_document, uncertain
 from .run import TASKS, evaluate, task_manager
 
@@ -64,15 +65,15 @@ def mark(report: dict) -> None:
     reference also gets the paired bootstrap interval of its delta (``ci``), whether its verdict is ``uncertain``
     (see :func:`~.intervals.uncertain`) and the ``documents_needed`` for a half-width within the tolerance."""
     quality = QualityPolicy(**report["tolerance"])
-    base = report["modes"]["fp16"]
+    base = report["modes"][REFERENCE_MODE]
     documents = report.get("documents", {})
     for mode, per_task in report["modes"].items():
         for task, entry in per_task.items():
             higher, ref = report["tasks"][task]["higher_is_better"], base[task]["value"]
             entry["delta_pp" if higher else "delta_pct"] = round(change(entry["value"], ref, higher), 2)
             entry["pass"] = task_failure(task, entry["value"], ref, higher, quality) is None
-            scores, ref_scores = documents.get(mode, {}).get(task), documents.get("fp16", {}).get(task)
-            if mode == "fp16" or not scores or not ref_scores:
+            scores, ref_scores = documents.get(mode, {}).get(task), documents.get(REFERENCE_MODE, {}).get(task)
+            if mode == REFERENCE_MODE or not scores or not ref_scores:
                 continue
             interval = paired_interval(scores, ref_scores, higher)
             if interval is None:
@@ -135,8 +136,8 @@ def score_modes(model: str, specs, open_lm, tasks=TASKS, limit: int | None = Non
                             for t in kinds}
         progress(f"gate: {spec.name}: " + ", ".join(f"{t} {v['value']:.4g}" for t, v in modes[spec.name].items())
                  + f" ({time.perf_counter() - t0:.0f} s)")
-    if REFERENCE not in modes:
-        raise RuntimeError(f"the {REFERENCE} mode is the reference and must be available for the gate")
+    if REFERENCE_MODE not in modes:
+        raise RuntimeError(f"the {REFERENCE_MODE} mode is the reference and must be available for the gate")
     import lm_eval
     import torch
     import transformers
@@ -167,7 +168,7 @@ def render_run(report: dict) -> str:
     tasks = list(report["tasks"])
     verdicts = judge(report, QualityPolicy(**report["tolerance"]), "general")
     backend = f" on {report['backend']}" if report.get("backend") else ""
-    reference = describe_kernels(report.get("kernels", {}).get(REFERENCE))
+    reference = describe_kernels(report.get("kernels", {}).get(REFERENCE_MODE))
     lines = [f"# Quality gate: {report['model']}{backend}, reference {reference} ({report['date']})", "",
              *([f"Scored on {report['machine']}.", ""] if report.get("machine") else []),
              f"Limit {report['limit'] or 'all'} documents per task; tolerance: accuracy drop <= "

@@ -14,7 +14,8 @@ import pytest
 import requests
 
 from modeswitch.controller.decide import Controller, NoEligibleMode
-from modeswitch.controller.quality import REFERENCE, QualityPolicy, judge_mode, runs
+from modeswitch.controller.quality import QualityPolicy, judge_mode, runs
+from modeswitch.weight_kinds import REFERENCE_MODE
 from modeswitch.controller.verdicts import Code
 from modeswitch.evals.gate import mark, merged, render
 from policy_text import feats, policy_from
@@ -64,7 +65,7 @@ def test_a_mode_is_judged_by_the_row_scored_on_its_kernels_and_is_pending_withou
 
 def test_the_reference_passes_on_any_kernels_and_an_engine_that_cannot_say_takes_the_newest_row():
     report = merged(None, BF16_RUN)
-    reference = judged(report, REFERENCE, FP32)
+    reference = judged(report, REFERENCE_MODE, FP32)
     assert (reference.status, reference.scored_on["compute"]) == ("pass", "bfloat16")
     assert judged(merged(report, FP32_RUN), "int8", None).status == "fail"  # newest run, as mismatch() takes it
     unrecorded = {k: v for k, v in BF16_RUN.items() if k != "kernels"}
