@@ -14,7 +14,7 @@ from typing import Mapping, Protocol
 
 from .features import Features
 from .policy import Policy
-from .quality import Judged, judge_mode, kernels_key
+from .quality import Judged, judge_mode
 from .verdicts import Code, Verdict
 from .view import ModeView
 
@@ -109,8 +109,9 @@ class QualityGate:
     name = "quality"
 
     def __init__(self) -> None:
-        #: (report, policy, family) -> {(mode, kernels): verdict}, for the latest key only (older ones are stale);
-        #: one tuple, swapped whole, so a thread deciding under an older key never writes into the newer cache
+        #: (report, policy, family) -> {mode: (the kernels card it was judged on, verdict)}, for the latest key only
+        #: (older ones are stale); one tuple, swapped whole, so a thread deciding under an older key never writes
+        #: into the newer cache
         self._cache: tuple[tuple, dict] = ((), {})
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
@@ -123,11 +124,11 @@ class QualityGate:
             verdicts = {}
             self._cache = (key, verdicts)
         card = mode.kernels
-        per_mode = (mode.name, kernels_key(card))
-        if per_mode not in verdicts:
-            verdicts[per_mode] = self._verdict(judge_mode(report, quality, cycle.features.task, mode.name, card),
-                                               quality.require_gate)
-        return verdicts[per_mode]
+        judged = verdicts.get(mode.name)
+        if judged is None or judged[0] is not card:  # a card is replaced, not changed, when an engine restarts
+            judged = verdicts[mode.name] = (card, self._verdict(
+                judge_mode(report, quality, cycle.features.task, mode.name, card), quality.require_gate))
+        return judged[1]
 
     @staticmethod
     def _verdict(judged: Judged | None, require_gate: bool) -> Verdict | None:
