@@ -42,7 +42,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple, Protocol
 
 from .completed import Completed
 from .curves import Curve, StreamCosts
@@ -61,9 +61,6 @@ class Prediction(NamedTuple):
     wait_s: float
     prefill_s: float
     decode_s: float
-    #: its engine is idle by measurement (``CostModel._idle_engines``): a policy ordering by prediction
-    #: compares it only when no other mode is admitted
-    idle: bool = False
 
     @property
     def total(self) -> float:
@@ -72,6 +69,17 @@ class Prediction(NamedTuple):
     def as_dict(self) -> dict[str, float]:
         return {"total_s": self.own_s + self.delay_s, "own_s": self.own_s, "delay_s": self.delay_s,
                 "wait_s": self.wait_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
+
+
+class Predict(Protocol):
+    """One request's predictions (:meth:`CostModel.predictor`): a mode's, or None while its stream has not measured
+    both curves. ``idle``: the modes whose engine is idle by measurement (``CostModel._idle_engines``), which a
+    policy ordering by prediction compares only when no other mode has a prediction, so it need not predict them
+    otherwise (a plain function is a ``Predict`` with none)."""
+
+    idle: frozenset[str]
+
+    def __call__(self, mode: str) -> Prediction | None: ...
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class CostModel:
         self.binding = Binding({}, {}, {}, {})
         self._streams: dict[str, StreamCosts] = {}
         self._idle: frozenset[str] = frozenset()  # the engines idle by measurement, as of the last change
+        self._idle_modes: frozenset[str] = frozenset()  # the modes on them
         self._derive(self.binding)
         self._keys: dict[str, str] = {}  # stream -> the key its curves are kept under
         self._stale: set[str] = set()  # streams whose engine changed since their curves were measured
@@ -145,7 +154,7 @@ class CostModel:
                     self._streams[stream] = fresh or StreamCosts.empty()
                     self._stale.discard(stream)
                 self._keys[stream] = key
-            self._idle = self._idle_engines()
+            self._find_idle()
 
     def _derive(self, binding: Binding) -> None:
         """What a prediction reads of the binding, worked out once: per lane the lanes overlapping it (itself
@@ -216,7 +225,7 @@ class CostModel:
         with self._lock:
             self._streams[stream] = costs
             self._stale.discard(stream)
-            self._idle = self._idle_engines()
+            self._find_idle()
 
     def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:
         costs = self.stream(stream)
@@ -227,7 +236,7 @@ class CostModel:
         costs = self.stream(stream)
         with self._lock:
             costs.step.add(max(lane_load, 1), seconds)
-            self._idle = self._idle_engines()
+            self._find_idle()
 
     def add_service(self, stream: str, seconds: float) -> None:
         costs = self.stream(stream)
@@ -284,11 +293,11 @@ class CostModel:
         while its stream has not measured both curves."""
         return self.predictor(features, tokens_per_step)(mode)
 
-    def predictor(self, features: Features, tokens_per_step: float = 1.0) -> Callable[[str], Prediction | None]:
+    def predictor(self, features: Features, tokens_per_step: float = 1.0) -> Predict:
         """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
         (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
         b = self.binding
-        lanes, engines, streams, near, modes, idle = b.lanes, b.engines, self._streams, self._near, self._modes, self._idle
+        lanes, engines, streams, near, modes = b.lanes, b.engines, self._streams, self._near, self._modes
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
         for m, n in features.in_flight_by_mode.items():
@@ -358,8 +367,9 @@ class CostModel:
                 delay = lane_load * (max(own_prefill, 0.0) + steps * max(growth, 0.0))
             else:
                 delay = 0.0
-            return Prediction(wait + prefill + decode, delay, wait, prefill, decode, engine in idle)
+            return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
 
+        predict.idle = self._idle_modes  # type: ignore[attr-defined]
         return predict
 
     def speculation_gain(self, features: Features, tokens_per_step: float) -> float:
@@ -406,6 +416,11 @@ class CostModel:
     def idle_by_measurement(self) -> list[str]:
         """The plain streams of the engines idle by measurement (:meth:`_idle_engines`)."""
         return sorted(self._engine_stream[e] for e in self._idle if e in self._engine_stream)
+
+    def _find_idle(self) -> None:
+        """Work out the engines idle by measurement and the modes on them (when a curve or the binding changes)."""
+        self._idle = self._idle_engines()
+        self._idle_modes = frozenset(m for m, (_, _, engine, _, _) in self._modes.items() if engine in self._idle)
 
     def _idle_engines(self) -> frozenset[str]:
         """The engines whose plain stream is slower, at every load it has measured, than the plain stream of an

@@ -33,11 +33,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from ..yamlconf import Section
 from .completed import Completed
-from .costs import Prediction
+from .costs import Predict
 from .features import FEATURE_DOCS, Features
 from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy, positive
 from .quality import QualityPolicy
@@ -63,9 +63,6 @@ class Condition:
 
 PREFER = ("prefix_match",)
 ORDERS = ("listed", "predicted")
-#: what a policy ordering by prediction asks the controller: a mode's predicted time for this request, or None
-#: while its engine has not measured its costs
-Predict = Callable[[str], Prediction | None]
 
 
 @dataclass(frozen=True)
@@ -196,13 +193,21 @@ def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: s
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
     unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
     otherwise (modes on one engine stream with the same prompt to compute share one prediction). A mode whose
-    engine is idle by measurement (slower at every load than another on its cores) comes after every other
-    measured one: its own time may look shorter while the faster engine is busy, but its steps take the cores
-    from that engine's, which the greedy sum of one request's own time and delay does not see."""
-    predicted = [(p.idle, p.total, i, name, p) for i, name in enumerate(admitted) if (p := predict(name)) is not None]
+    engine is idle by measurement (slower at every load than another on its cores, ``predict.idle``) is compared
+    only when no other mode has a prediction: its own time may look shorter while the faster engine is busy, but
+    its steps take the cores from that engine's, which the greedy sum of one request's own time and delay does not
+    see. So it is not even predicted while another mode is."""
+    idle = getattr(predict, "idle", frozenset())
+    left_alone = [name for name in admitted if name in idle]
+    predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
+                 if name not in idle and (p := predict(name)) is not None]
+    fallback = not predicted and bool(left_alone)
+    if fallback:
+        predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
+                     if name in idle and (p := predict(name)) is not None]
     if not predicted:
         return Choice(admitted[0], f"{why} -> {admitted[0]} (no mode measured yet: the list's order){tail}", rule)
-    predicted.sort(key=lambda t: t[:3])
+    predicted.sort(key=lambda t: t[:2])
     *_, best, p = predicted[0]
     prediction = {"chosen": {"mode": best, **p.as_dict()}}
     text = f"{why} -> {best}, predicted {p.total:.3g} s"
@@ -210,10 +215,10 @@ def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: s
     if second is not None:
         prediction["runner_up"] = {"mode": second[0], **second[1].as_dict()}
         text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
-    if predicted[-1][0]:
-        text += ("; its engine is slower at every load than another on its cores, no other mode admitted" if p.idle
-                 else "; left alone, their engine slower at every load than another on its cores: "
-                 + ", ".join(name for idle, *_, name, _ in predicted if idle))
+    if fallback:
+        text += "; its engine is slower at every load than another on its cores, no other mode admitted and measured"
+    elif left_alone:
+        text += "; left alone, their engine slower at every load than another on its cores: " + ", ".join(left_alone)
     return Choice(best, text + tail, rule, prediction)
 
 

@@ -1,0 +1,154 @@
+"""What one routing decision costs: ``Controller.decide`` as the server calls it, with every default mode resident.
+
+The server's own figure (``modeswitch.decision_us``, the deciding thread's CPU time) mixes the decision's work with
+where it runs: between two model steps that have evicted the caches, with both cores busy. This benchmark takes the
+decision alone, in process, over the fake backend (no model): the ten default modes on the default layout's engines
+and cores on a 2-core CPU, the default policy, the shipped vLLM gate report, measured costs on every engine (each
+lane's step growing with its load, the reference weights fastest as on an AVX2 CPU), and requests in flight on
+every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over 8 MiB of memory
+and a 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time.
+
+    .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--tag T] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeswitch.bench.report import save_results  # noqa: E402
+from modeswitch.compose import build_app  # noqa: E402
+from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.controller.features import Features  # noqa: E402
+from modeswitch.modes import load_modes  # noqa: E402
+from modeswitch.resources import DEFAULT_POLICY  # noqa: E402
+from modeswitch.serving.launcher import ROOT  # noqa: E402
+from modeswitch.testing.backend import FakeBackend  # noqa: E402
+from modeswitch.testing.engine import Script  # noqa: E402
+
+#: the default layout on a 2-core AVX2 CPU, as the modes' cards say it: mode -> (its engine, the core it computes
+#: on; None: not pinned, the GPTQ modes' in-process transformers engine)
+LAYOUT = {"fp16": ("fp16", 0), "continuous_batching": ("fp16", 0), "speculative": ("fp16", 0),
+          "prefix_cache": ("prefix_cache", 1), "int8": ("int8", 0), "int8+continuous_batching": ("int8", 0),
+          "int8+speculative": ("int8", 0), "int8+prefix_cache": ("int8", 0), "gptq": ("gptq", None),
+          "gptq+prefix_cache": ("gptq", None)}
+
+#: each engine's measured costs over the reference weights' (a drafting stream's steps cost half as much again)
+SLOWER = {"int8": 2.0, "gptq": 3.0}
+
+
+def build(tmp: Path):
+    """The server over the fake backend with every default mode on the default layout's engines and cores, costs
+    measured on every stream."""
+    modes = tuple(spec.name for spec in load_modes(ROOT / "modes"))
+    config = ServerConfig(model="demo", modes=modes, policy=DEFAULT_POLICY,
+                          gate_report=str(ROOT / "evals" / "reports" / "demo-vllm.json"), load=LoadConfig(staged=False),
+                          costs_file=tmp / "costs.json", calibrate=False)
+    cores = {m: () if LAYOUT[m][1] is None else (LAYOUT[m][1],) for m in modes}
+    server = build_app(config, progress=lambda s: None, backend=FakeBackend({m: Script(cpus=cores[m]) for m in modes}))
+    for name, state in server.service.registry.modes.items():
+        state.shared_batch = LAYOUT[name][0]
+    server.service.rebind()
+    costs = server.service.costs
+    for stream in set(costs.binding.streams.values()):  # as on an AVX2 CPU: the reference weights step fastest
+        scale = SLOWER.get(stream.split()[0], 1.0) * (1.5 if stream.endswith("drafting") else 1.0)
+        for tokens in (16, 64, 256, 1024):
+            costs.add_prefill(stream, tokens, scale * 0.0004 * tokens)
+        for load in (1, 2, 4, 8, 16):
+            costs.add_step(stream, load, scale * (0.030 + 0.004 * load))
+        costs.add_service(stream, scale * 2.0)
+    return server
+
+
+def requests_in_flight(modes: list[str], n: int) -> list[Features]:
+    """``n`` requests' features: prompts of 20-600 tokens, 2-5 requests in flight on every mode, prompt tokens
+    still to compute on some, a prefix match on the prefix-cache modes."""
+    out = []
+    for i in range(n):
+        prompt = 20 + (i * 37) % 580
+        in_flight = {m: 2 + (i + j) % 4 for j, m in enumerate(modes)}
+        out.append(Features(
+            prompt_tokens=prompt, max_tokens=32 + i % 64, prefix_match_tokens=prompt // 2, prefix_match_ratio=0.5,
+            queue_depth=sum(in_flight.values()), memory_headroom=0.6, memory_free_gb=12.0, greedy=i % 2,
+            prefix_match_by_mode={m: prompt // 2 for m in modes if "prefix_cache" in m},
+            in_flight_by_mode=in_flight, prefilling_by_mode={m: 64 for m in modes[:: 3]},
+            prompt_repeat=0.3, draft_tokens_per_step=1.0 + (i % 3) / 2))
+    return out
+
+
+_SPILL = bytearray(8 << 20)
+
+
+def evict() -> None:
+    """Leave the caches as a model step does: a walk over 8 MiB and a small matmul."""
+    import torch
+
+    sum(_SPILL[::64])
+    torch.randn(256, 256) @ torch.randn(256, 256)
+
+
+def time_decisions(controller, features: list[Features], cold: bool) -> list[float]:
+    spent = []
+    for f in features:
+        if cold:
+            evict()
+        spent.append(controller.decide(f).decision_us)
+    return spent
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--profile", action="store_true", help="print the warm decisions' profile instead")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = build(Path(tmp))
+        try:
+            controller = server.service.controller
+            modes = list(controller.modes)
+            features = requests_in_flight(modes, args.decisions)
+            time_decisions(controller, features[:200], cold=False)  # every cache the decision keeps, filled
+            if args.profile:
+                cProfile.runctx("time_decisions(controller, features, False)", globals(), locals(), "/tmp/decide.prof")
+                pstats.Stats("/tmp/decide.prof").sort_stats("tottime").print_stats(25)
+                return 0
+            chosen = {}
+            for f in features[:200]:
+                d = controller.decide(f)
+                chosen[d.mode] = chosen.get(d.mode, 0) + 1
+            rows = {}
+            for kind, cold in (("warm", False), ("cold", True)):
+                spent = time_decisions(controller, features, cold)
+                rows[kind] = {"p50_us": round(pct(spent, 0.5), 1), "p90_us": round(pct(spent, 0.9), 1),
+                              "mean_us": round(statistics.fmean(spent), 1)}
+        finally:
+            server.close()
+    machine = f"{platform.machine()}, {time.strftime('%Y-%m-%d')}"
+    lines = [f"# One decision's CPU time ({len(modes)} modes resident, default policy, vLLM gate report; {machine})",
+             "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
+    lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
+    text = "\n".join(lines)
+    print(text)
+    save_results(args.out, "decision_cost", args.tag, {"modes": len(modes), "decisions": args.decisions,
+                                                        "rows": rows, "chosen": chosen}, text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
