@@ -16,6 +16,7 @@ from . import logs
 from .compose import build_app
 from .config import ServerConfig, add_server_flags, read_server_flags
 from .device import keep_heap_trimmed
+from .evals.behind import score_behind
 from .memory import MemoryBudgetExceeded
 from .weights.presets import WeightsNotFound
 from .yamlconf import ConfigError
@@ -112,12 +113,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGUSR1, on_sigusr1)
     server = create_server(assembled.app, sockets=[listener], threads=http.threads, channel_timeout=600)
-    scorer = None
-    if config.score_pending and service.controller.quality_cache is not None:
-        from .evals.behind import PendingScorer  # lm-eval is imported only by a server that may score
-
-        scorer = PendingScorer(service, admission.idle_s)
-        scorer.start()
+    scorer = score_behind(assembled)
     available = ", ".join(m.name for m in service.registry.available())
     loading = ", ".join(m.name for m in service.registry.loading())
     log.info("ready in %.1f s: model %s, modes available: %s%s; listening on http://%s:%s",

@@ -23,6 +23,7 @@ from .. import logs
 from ..compose import build_app
 from ..config import ServerConfig
 from ..device import memory_headroom
+from ..evals.behind import score_behind
 from ..serving.occupancy import occupancy
 from .prefixes import PrefixLog
 from .wire import TOKEN_IDS, Answer, Forwarded
@@ -39,6 +40,8 @@ class ReplicaServer:
         self.server = build_app(config, backend=backend)
         self._prefixes = PrefixLog(self.server.service.registry.prefix_capacity_tokens())
         self._lock = threading.Lock()
+        #: scores the modes the gate has no verdict for on these kernels, between the requests forwarded here
+        self.scorer = score_behind(self.server)
 
     def _prompt_tokens(self, text: str) -> int:
         """Tokens of a routing text: counted for token ids (``"17|4|"``), else the tokenizer's count."""
@@ -100,6 +103,8 @@ class ReplicaServer:
                 "j_per_token": min(rates) if rates else None, "prefix_blocks": blocks}
 
     def close(self) -> None:
+        if self.scorer is not None:
+            self.scorer.stop()
         self.server.close()
 
 

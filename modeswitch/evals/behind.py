@@ -9,15 +9,24 @@ pauses it; it goes on in the gaps), so a request waits at most for one scoring r
 short generation) sent in such a gap. The run goes into the controller's cache directory under the report's file
 name (:func:`~modeswitch.evals.gate.add_run`), where the next start on the same kernels finds it, and the report is
 read again: the modes' verdicts replace ``pending``.
+
+:func:`score_behind` starts it for an assembled server, the single one (``server.py``) and each replica of a cluster
+(``cluster/replica.py``) alike. Servers that share the cache (a cluster's replicas on one machine) score one at a
+time, under a lock on the report's file: the next one reads the run the first kept and scores only what is still
+pending on its own kernels, so a machine scores its kernels once, not once a replica.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import logging
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import IO, Callable
 
+from ..compose import Server
 from ..serving.service import Service
 from ..weight_kinds import REFERENCE_MODE
 from .run import TASKS
@@ -30,6 +39,8 @@ LIMIT = 100
 POLL_S = 0.05
 #: seconds without a request in flight before a scoring request is sent
 QUIET_S = 2.0
+#: how often a scorer waiting for another server's run on the shared cache tries its lock again
+LOCK_POLL_S = 1.0
 
 
 class PendingScorer:
@@ -45,11 +56,12 @@ class PendingScorer:
         #: the longest one scoring request took, first token to last: the most a request arriving meanwhile
         #: waited for one
         self.longest_s = 0.0
+        self.thread: threading.Thread | None = None
 
     def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run_logged, name="gate-pending", daemon=True)
-        thread.start()
-        return thread
+        self.thread = threading.Thread(target=self._run_logged, name="gate-pending", daemon=True)
+        self.thread.start()
+        return self.thread
 
     def stop(self) -> None:
         """Send no further scoring request (server shutdown)."""
@@ -68,18 +80,47 @@ class PendingScorer:
         return [name for name, judged in verdicts.items() if judged.status == "pending"]
 
     def run(self) -> dict | None:
-        """Wait for every mode to be up, score the pending ones and the reference, keep the run, reload the report;
-        the run, or None when nothing was pending (or the scoring was stopped)."""
+        """Wait for every mode to be up, then for the report's lock (another server sharing the cache may be
+        scoring), score what is still pending and the reference, keep the run, reload the report; the run, or None
+        when nothing was pending (or another server's run covered it, or the scoring was stopped)."""
+        registry, controller = self.service.registry, self.service.controller
+        while registry.loading() and not self._stop.wait(POLL_S):
+            pass
+        cache = controller.quality_cache
+        if not self.pending() or cache is None or self._stop.is_set():
+            return None
+        turn = self._take_turn(cache / f"{controller.quality_report_path.name}.lock")
+        if turn is None:
+            return None
+        with turn:  # closing the file lets the next server sharing the cache go on
+            controller.load_quality_report()  # with the run another server kept while this one waited
+            pending = self.pending()
+            if not pending:
+                self.progress("quality gate: another server sharing the cache scored these kernels; its run is read")
+                return None
+            return self._score(pending, cache)
+
+    def _take_turn(self, lock: Path) -> IO | None:
+        """The open lock file, locked for this server alone; None if the server stopped while another held it."""
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock.open("a")
+        for attempt in itertools.count():
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return handle
+            except BlockingIOError:
+                if not attempt:
+                    self.progress(f"quality gate: another server sharing {lock.parent} is scoring; waiting for its run")
+            if self._stop.wait(LOCK_POLL_S):
+                handle.close()
+                return None
+
+    def _score(self, pending: list[str], cache: Path) -> dict | None:
+        """Score ``pending`` and the reference through the service, keep the run in ``cache``, read the report again."""
         from .adapter import ModeSwitchLM
         from .gate import add_run, score_modes
 
         registry, controller = self.service.registry, self.service.controller
-        while registry.loading() and not self._stop.wait(POLL_S):
-            pass
-        pending = self.pending()
-        cache = controller.quality_cache
-        if not pending or cache is None or self._stop.is_set():
-            return None
         self.progress(f"quality gate: scoring {', '.join(pending)} on this machine's kernels behind the requests "
                       f"({self.limit} documents a task, one request at a time)")
         names = [REFERENCE_MODE, *(m for m in pending if m != REFERENCE_MODE)]
@@ -113,3 +154,17 @@ class PendingScorer:
         while self.idle_s() < self.quiet_s or any(state.in_flight for state in modes.values()):
             if self._stop.wait(POLL_S):
                 raise RuntimeError("the server is stopping")
+
+
+def score_behind(server: Server) -> PendingScorer | None:
+    """Start scoring ``server``'s pending modes behind its HTTP requests; the scorer (to :meth:`~PendingScorer.stop`
+    when the server shuts down), or None where nothing may be scored: ``--no-score-pending``, or a report given by
+    path (enforced as it is: no cache to keep a run in). The idle signal is the server's admission, which every
+    generation request through its Flask app takes a ticket from: a cluster replica runs that app on the requests
+    forwarded to it, so they hold its scoring back as a single server's hold back its own."""
+    if not server.config.score_pending or server.service.controller.quality_cache is None:
+        return None
+    scorer = PendingScorer(server.service, server.admission.idle_s)
+    scorer.start()
+    return scorer
+

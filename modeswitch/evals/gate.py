@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -218,12 +219,22 @@ def write(run: dict, out_dir: Path = REPORTS_DIR) -> Path:
 
 
 def add_run(path: Path, run: dict) -> Path:
-    """Add ``run`` to the report at ``path`` (see :func:`merged`) and write its markdown beside it."""
+    """Add ``run`` to the report at ``path`` (see :func:`merged`) and write its markdown beside it. Each file is
+    replaced whole: a server reading the report meanwhile (the replicas of a cluster share the cache a server keeps
+    its own runs in) reads the old one or the new one, never half of one. Writers of one report take turns
+    (:class:`~modeswitch.evals.behind.PendingScorer` holds the report's lock while it scores and adds its run)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     report = merged(json.loads(path.read_text()) if path.is_file() else None, run)
-    path.write_text(json.dumps(report, indent=2))
-    path.with_suffix(".md").write_text(render(report))
+    _replace(path, json.dumps(report, indent=2))
+    _replace(path.with_suffix(".md"), render(report))
     return path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to a file of this process's own beside ``path``, then rename it over ``path`` (atomic)."""
+    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    written.write_text(text)
+    written.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:

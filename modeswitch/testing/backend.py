@@ -24,16 +24,18 @@ KV_BYTES_PER_TOKEN = 1024
 
 class FakeBackend:
     name = "fake"
-    gate_key = "fake"
     device = "cpu"
 
     def __init__(self, scripts: Mapping[str, Script] | None = None, unavailable: Mapping[str, str] | None = None,
                  context_length: int = 2048, default: Script = Script(), held: Collection[str] = (),
-                 kernels: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 kernels: Mapping[str, Mapping[str, str]] | None = None, gate_key: str = "fake") -> None:
         """``scripts``: how each mode behaves (others follow ``default``: instant); ``unavailable``: modes that
         cannot be served here, with the reason the registry shows; ``held``: modes whose build waits until
         :attr:`release` is set (an engine still starting); ``kernels``: the linear-kernel card a mode's engine
-        reports (:class:`~modeswitch.weights.precision.LinearKernels`; others report none)."""
+        reports (:class:`~modeswitch.weights.precision.LinearKernels`; others report none); ``gate_key``: the
+        engine whose shipped gate report the server enforces (none is shipped for ``fake``: the gate is off; a
+        test of what a server does with the shipped report names a real one, and ``kernels`` that report has no
+        run on, so that the server scores them as it would on a new machine)."""
         self.held, self.release = frozenset(held), threading.Event()
         self.scripts = dict(scripts or {})
         self.default = default
@@ -41,6 +43,7 @@ class FakeBackend:
         self.context_length = context_length
         self.engines: dict[str, FakeEngine] = {}
         self.kernels = dict(kernels or {})
+        self.gate_key = gate_key
 
     def open(self, progress: Progress) -> ModelInfo:
         return ModelInfo(ByteTokenizer(), self.context_length, KV_BYTES_PER_TOKEN)

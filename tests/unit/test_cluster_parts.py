@@ -1,9 +1,13 @@
 """The cluster's parts that need no Ray cluster: prefix summaries, routing text, merged metrics, and a replica
-answering forwarded requests (the single server's app over the fake backend)."""
+answering forwarded requests (the single server's app over the fake backend) and scoring its gate-pending modes
+behind them."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,8 +19,11 @@ from modeswitch.cluster.prefixes import BLOCK_CHARS, PrefixLog, block_hashes, ma
 from modeswitch.cluster.replica import ReplicaServer  # noqa: E402
 from modeswitch.cluster.wire import Answer, Forwarded, routing_text  # noqa: E402
 from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.controller.quality import runs  # noqa: E402
+from modeswitch.evals.behind import QUIET_S  # noqa: E402
 from modeswitch.testing.backend import FakeBackend  # noqa: E402
 from modeswitch.testing.engine import Script  # noqa: E402
+from test_gate_kernels import FP32, INT8_FP32  # noqa: E402
 
 
 def test_block_hashes_match_shared_prefixes_to_the_block():
@@ -120,3 +127,89 @@ def test_replica_stats_report_modes_load_and_the_prompts_it_took(replica):
     assert stats["replica"] == "r1" and sorted(stats["modes"]) == ["fp16", "prefix_cache"]
     assert stats["waiting"] == 0 and stats["running"] == 0
     assert matched_blocks(block_hashes(prompt), set(stats["prefix_blocks"]).__contains__) == 2
+
+
+# ---------------------------------------------------------------------------------------------- the gate, scored here
+#: kernels no run of the shipped vLLM report was scored on: a machine that report's rows do not hold for
+NEW_KERNELS = {"fp16": {**FP32, "kernel": "a kernel no shipped run names"},
+               "int8": {**INT8_FP32, "kernel": "a kernel no shipped run names"}}
+
+
+def replica_on_new_kernels(tmp_path: Path, name: str) -> tuple[ReplicaServer, FakeBackend]:
+    """A replica enforcing the shipped vLLM report (as a replica of ``--backend vllm`` does) on engines whose
+    kernels it has no run on: int8 is gate pending, and the replica may score it (its cache is the test's)."""
+    backend = FakeBackend(kernels=NEW_KERNELS, gate_key="vllm")
+    config = ServerConfig(model="demo", modes=("fp16", "int8"), calibrate=False, costs_file=tmp_path / f"{name}.json",
+                          load=LoadConfig(backend="transformers", staged=False))
+    return ReplicaServer(config, name, backend=backend), backend
+
+
+def locked(path: Path) -> bool:
+    """Whether another open file holds the lock on ``path`` (a scorer's turn on the report)."""
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def test_replicas_sharing_a_cache_score_a_pending_mode_once_behind_their_requests(tmp_path, monkeypatch):
+    """Two replicas on one machine: the first to take the report's lock scores int8 and the reference between the
+    requests forwarded to it (one held open keeps it waiting), keeps the run in the shared cache and advertises
+    int8 to the router once it passes; the second waits for the lock, reads that run and scores nothing."""
+    monkeypatch.setenv("MODESWITCH_CACHE", str(tmp_path / "cache"))
+    first, first_engines = replica_on_new_kernels(tmp_path, "r1")
+    try:
+        assert first.server.service.controller.quality_verdicts()["int8"].status == "pending"
+        assert first.routing_stats()["modes"] == ["fp16"]  # a pending mode is not offered to the router
+        held = first.stream(_completion("Hello there", stream=True))
+        assert next(held).status == 200  # answered in part, its ticket not returned: a request in flight
+        assert first.server.admission.idle_s() == 0
+        lock = tmp_path / "cache" / "gate" / "demo-vllm.json.lock"
+        deadline = time.monotonic() + 10
+        while not (lock.exists() and locked(lock)):
+            assert time.monotonic() < deadline, "the first replica's scorer never took its turn"
+            time.sleep(0.05)
+        second, second_engines = replica_on_new_kernels(tmp_path, "r2")
+        try:
+            before = {m: (first_engines.engines[m].submitted, second_engines.engines[m].submitted) for m in NEW_KERNELS}
+            time.sleep(QUIET_S + 1)  # the first scorer has its tasks loaded (~2 s); the held request holds it back
+            assert {m: (first_engines.engines[m].submitted, second_engines.engines[m].submitted)
+                    for m in NEW_KERNELS} == before
+            held.close()  # the request is answered; the replica's admission counts QUIET_S of quiet from here
+            ended = time.monotonic()
+            while sum(first_engines.engines[m].submitted for m in NEW_KERNELS) == sum(b[0] for b in before.values()):
+                assert time.monotonic() - ended < 30, "the first replica never scored"
+                time.sleep(0.01)
+            assert time.monotonic() - ended >= QUIET_S - 0.05
+            for replica in (first, second):
+                replica.scorer.thread.join(60)
+                assert not replica.scorer.thread.is_alive()
+                assert replica.server.service.controller.quality_verdicts()["int8"].status == "pass"
+            assert first_engines.engines["int8"].submitted > before["int8"][0] + 100  # scored on the first
+            assert second_engines.engines["int8"].submitted == before["int8"][1]  # and only there
+            assert sorted(first.routing_stats()["modes"]) == ["fp16", "int8"]
+            kept = json.loads((tmp_path / "cache" / "gate" / "demo-vllm.json").read_text())
+            assert [r["kernels"]["int8"]["kernel"] for r in runs(kept)] == ["a kernel no shipped run names"]
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_replica_that_closes_stops_its_scorer(tmp_path, monkeypatch, caplog):
+    """Closed while a request holds its scoring back, the replica's scorer sends nothing more and ends quietly
+    (a scorer left running would go on against the closed engines once the request ends, and fail)."""
+    monkeypatch.setenv("MODESWITCH_CACHE", str(tmp_path / "cache"))
+    replica, engines = replica_on_new_kernels(tmp_path, "r1")
+    held = replica.stream(_completion("Hello there", stream=True))
+    next(held)
+    submitted = {m: engines.engines[m].submitted for m in NEW_KERNELS}
+    replica.close()
+    held.close()
+    replica.scorer.thread.join(30)
+    assert not replica.scorer.thread.is_alive()
+    assert {m: engines.engines[m].submitted for m in NEW_KERNELS} == submitted
+    assert not [r for r in caplog.records if r.name == "modeswitch.evals.behind"]
+    assert not (tmp_path / "cache" / "gate" / "demo-vllm.json").exists()

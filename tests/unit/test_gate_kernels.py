@@ -183,7 +183,8 @@ def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_r
         assert busy.done() and busy.result().json()["modeswitch"]["mode"] == "fp16"
         assert time.perf_counter() - waited > 0.3 + 0.3 and app.assembled.admission.idle_s() >= 0.3
     run = scorer.run()
-    assert 0 <= scorer.longest_s < 1  # the fake engine scores a prompt at once    assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
+    assert 0 <= scorer.longest_s < 1  # the fake engine scores a prompt at once
+    assert set(run["modes"]) == {"fp16", "int8"} and run["kernels"]["int8"]["compute"] == "float32"
     assert len(run["documents"]["int8"]["jargon_cloze"]) == 4
     kept = json.loads((tmp_path / "cache" / "demo-vllm.json").read_text())
     assert [r["date"] for r in runs(kept)] == [run["date"]]
