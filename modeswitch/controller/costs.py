@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol
 
+from ..files import replace_whole
 from .completed import Completed
 from .curves import Curve, StreamCosts
 from .features import Features
@@ -199,9 +199,7 @@ class CostModel:
             data = dict(self._saved)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")  # servers sharing the file never share a temp file
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(self.path)
+            replace_whole(self.path, json.dumps(data, indent=1, sort_keys=True))
         except OSError as exc:
             log.warning("could not save the measured costs to %s: %s", self.path, exc)
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..files import replace_whole
 from ..yamlconf import Section
 from .completed import Completed
 from .features import Features
@@ -378,9 +378,7 @@ class LearnedPolicy:
         """Write the state atomically (a crash never leaves half a file)."""
         if self.state_path is None:
             return
-        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.state()))
-        os.replace(tmp, self.state_path)
+        replace_whole(self.state_path, json.dumps(self.state()))
         self._since_save = 0
 
     def _load_state(self, data: dict, modes: set[str]) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -35,6 +34,7 @@ from ..controller.load import load_policy
 from ..controller.quality import (QualityPolicy, change, describe_kernels, judge, kernels_key, runs,
                                   task_failure)
 from ..device import machine
+from ..files import replace_whole
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
 from ..weight_kinds import REFERENCE_MODE
@@ -225,16 +225,9 @@ def add_run(path: Path, run: dict) -> Path:
     (:class:`~modeswitch.evals.behind.PendingScorer` holds the report's lock while it scores and adds its run)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     report = merged(json.loads(path.read_text()) if path.is_file() else None, run)
-    _replace(path, json.dumps(report, indent=2))
-    _replace(path.with_suffix(".md"), render(report))
+    replace_whole(path, json.dumps(report, indent=2))
+    replace_whole(path.with_suffix(".md"), render(report))
     return path
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to a file of this process's own beside ``path``, then rename it over ``path`` (atomic)."""
-    written = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    written.write_text(text)
-    written.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
