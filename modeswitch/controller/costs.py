@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol
@@ -50,6 +51,11 @@ from .features import Features
 from .speculation import tokens_per_step as tokens_per_target_step
 
 log = logging.getLogger(__name__)
+
+#: seconds an engine idle by measurement keeps the curves it was judged on before the calibration measures it again
+#: (at a moment its lane is quiet): no request of its own corrects them, so a measurement disturbed at start, or a
+#: machine that changed since, would otherwise park it for good
+REMEASURE_IDLE_S = 600.0
 
 class Prediction(NamedTuple):
     """A mode's predicted seconds for one request: its own time to the last token, and the delay it adds to
@@ -119,6 +125,9 @@ class CostModel:
         self._derive(self.binding)
         self._keys: dict[str, str] = {}  # stream -> the key its curves are kept under
         self._stale: set[str] = set()  # streams whose engine changed since their curves were measured
+        #: when each stream's curves were last measured whole (a calibration, or read from the file at bind)
+        self._measured_at: dict[str, float] = {}
+        self.remeasure_idle_s = REMEASURE_IDLE_S
         #: what the engines' calibration is doing (``serving.calibrate``), as ``/v1/modes`` shows it
         self.calibration = "off"
         self._saved: dict[str, Any] = self._read()
@@ -153,6 +162,7 @@ class CostModel:
                 else:
                     self._streams[stream] = fresh or StreamCosts.empty()
                     self._stale.discard(stream)
+                    self._measured_at[stream] = time.monotonic()
                 self._keys[stream] = key
             self._find_idle()
 
@@ -213,16 +223,23 @@ class CostModel:
         return costs is not None and costs.measured
 
     def needs_measuring(self, stream: str) -> str | None:
-        """Why ``stream`` should be calibrated ("unmeasured", or "stale": its engine changed), or None."""
+        """Why ``stream`` should be calibrated ("unmeasured"; "stale": its engine changed; "idle": its engine is
+        idle by measurement on curves older than :attr:`remeasure_idle_s`), or None."""
         if not self.measured(stream):
             return "unmeasured"
-        return "stale" if stream in self._stale else None
+        if stream in self._stale:
+            return "stale"
+        if (stream in self.idle_by_measurement()
+                and time.monotonic() - self._measured_at.get(stream, 0.0) > self.remeasure_idle_s):
+            return "idle"
+        return None
 
     def install(self, stream: str, costs: StreamCosts) -> None:
         """Replace ``stream``'s curves with a calibration's, measured whole before they count."""
         with self._lock:
             self._streams[stream] = costs
             self._stale.discard(stream)
+            self._measured_at[stream] = time.monotonic()
             self._find_idle()
 
     def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:

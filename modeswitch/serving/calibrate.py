@@ -16,7 +16,8 @@ live requests beside it as they come: the measurements are corrected by every fi
 stream's calibration is measured whole before it replaces the stream's curves. The calibration then looks again
 every :data:`RECHECK_S`: an engine that changed (compiled behind the requests, so its key changed) keeps its old
 curves until it is measured again under its new key, which waits for a moment its lane is idle (measured beside
-live requests, its times would be theirs too).
+live requests, its times would be theirs too). An engine idle by measurement is measured again the same way once
+its curves are older than ``CostModel.remeasure_idle_s``: it serves no request that would correct them.
 """
 
 from __future__ import annotations
@@ -125,12 +126,12 @@ class Calibration:
                 time.sleep(0.2)
 
     def measure_unmeasured(self) -> list[str]:
-        """Measure each stream the cost model has no curves of, and each stale one whose lane is idle; returns
-        those measured."""
+        """Measure each stream the cost model has no curves of, and each stale one and each one idle by
+        measurement for a while (``CostModel.needs_measuring``) whose lane is quiet; returns those measured."""
         started, measured = time.perf_counter(), []
         for stream, state in self.representatives().items():
             why = self.costs.needs_measuring(stream)
-            if why is None or self.registry.closing or (why == "stale" and self._lane_busy(state)):
+            if why is None or self.registry.closing or (why != "unmeasured" and self._lane_busy(state)):
                 continue
             self.costs.calibration = f"measuring {stream}"
             try:

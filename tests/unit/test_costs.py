@@ -275,6 +275,42 @@ def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_whe
     assert flip <= 30 and set(modes_served[flip:]) == {"int8+prefix_cache"}, modes_served
 
 
+def test_an_engine_idle_by_measurement_is_measured_again_once_its_curves_are_old_and_its_lane_quiet(make_app):
+    """Its own requests never correct an idle engine's curves: a slow calibration (a disturbed start, a machine
+    that changed since) would park it for good. The calibration measures it again once its curves are older than
+    ``remeasure_idle_s``, never while its lane is busy; faster now, it takes requests again."""
+    from modeswitch.serving.calibrate import Calibration
+
+    modes = ["prefix_cache", "int8+prefix_cache"]
+    scripts = {"prefix_cache": Script(token_s=0.006, batch=4, cpus=(0,)),
+               "int8+prefix_cache": Script(token_s=0.018, batch=4, cpus=(0,))}
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
+    wait_measured(app, modes)
+    costs = app.service.costs
+    assert costs.idle_by_measurement() == ["int8+prefix_cache"] and costs.needs_measuring("int8+prefix_cache") is None
+    calibration = Calibration(app.service.registry, costs, app.service.rebind)
+    app.backend.engines["int8+prefix_cache"].script = replace(scripts["int8+prefix_cache"], token_s=0.002)
+    costs.remeasure_idle_s = 0.0
+    assert costs.needs_measuring("int8+prefix_cache") == "idle" and costs.needs_measuring("prefix_cache") is None
+    held = app.backend.engines["prefix_cache"]
+    url = app.serve()
+    import requests
+
+    with ThreadPoolExecutor(1) as pool:  # a request on the lane: nothing is measured beside it
+        busy = pool.submit(requests.post, url + "/v1/completions", timeout=60,
+                           json={"prompt": [90, 91], "max_tokens": 200, "temperature": 0, "mode": "prefix_cache"})
+        deadline = time.monotonic() + 5
+        while not held.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calibration.measure_unmeasured() == []
+        assert busy.result().status_code == 200
+    # measured again, int8 is now the faster: the reference engine is idle in its turn (and, with curves older
+    # than 0 s, measured again too, still the slower)
+    assert calibration.measure_unmeasured() == ["int8+prefix_cache", "prefix_cache"]
+    assert costs.idle_by_measurement() == ["prefix_cache"]
+    assert app.complete([95, 66, 67], max_tokens=12)["modeswitch"]["mode"] == "int8+prefix_cache"
+
+
 def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
     """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it (as
     measured): a burst of 8 is predicted cheaper split than piled on one lane."""
