@@ -36,8 +36,8 @@ def accept(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
     """The tokens one verify step yields: ``logits[i]`` is the target's prediction after the ``i``-th fed token
     (the last accepted token, then ``drafts``). Returns the accepted drafts plus one token from the target (a
-    correction, or the bonus token after all drafts), so always at least one token. A sampled request needs its
-    generator."""
+    correction, or the bonus token after all drafts), so always at least one token. A sampled request draws from
+    ``generator`` (None: torch's global one)."""
     if params.greedy:
         predicted = logits.argmax(-1).tolist()
         out = []
