@@ -7,6 +7,10 @@ The fake backend checks the API's own logic (refusals, ``n``, logprobs shapes, t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -121,10 +125,12 @@ def test_penalties_apply_as_vllm_applies_them():
     assert rep.processors(ids, torch.full((1, 6), 2.0))[0].tolist() == [2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
 
 
-def vllm_processed(logits: torch.Tensor, prompt: list[int], output: list[int], **options) -> torch.Tensor:
-    """One row of logits through vLLM's own v1 sampler code (``vllm/v1/sample/sampler.py``) as its engine runs
-    it: the logits processors and penalties, then for a sampled request temperature, ``min_p`` and top-k/top-p
-    (the logits it would sample from: its ``processed_logits`` mode)."""
+def vllm_sampled(logits: torch.Tensor, prompt: list[int], output: list[int], generator: torch.Generator | None = None,
+                 **options) -> tuple[torch.Tensor, int]:
+    """One row of logits through vLLM's own v1 sampler code (``vllm/v1/sample/sampler.py``) as its engine runs it:
+    the logits processors and penalties, then for a sampled request temperature, ``min_p`` and top-k/top-p, then its
+    CPU pick. Returns the logits it picks from (its ``processed_logits`` mode) and the token it picks, drawing from
+    ``generator`` (a seeded request's, as its model runner makes it: a CPU generator given ``manual_seed``)."""
     import types
 
     from vllm import SamplingParams as VllmParams
@@ -141,17 +147,21 @@ def vllm_processed(logits: torch.Tensor, prompt: list[int], output: list[int], *
     for proc in procs:
         proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, prompt, output)], moved=[]))
     greedy = params.temperature < 1e-5
-    meta = SamplingMetadata(
+    meta = SamplingMetadata(  # as vLLM's input batch builds it: top-k and top-p None when no request sets them
         temperature=None if greedy else torch.tensor([params.temperature]), all_greedy=greedy, all_random=not greedy,
-        top_p=torch.tensor([params.top_p]), top_k=torch.tensor([params.top_k if params.top_k > 0 else logits.numel()]),
-        generators={}, max_num_logprobs=None, no_penalties=False, prompt_token_ids=torch.tensor([prompt]),
-        frequency_penalties=torch.tensor([params.frequency_penalty]),
+        top_p=torch.tensor([params.top_p]) if params.top_p < 1.0 else None,
+        top_k=torch.tensor([params.top_k]) if params.top_k > 0 else None,
+        generators={} if generator is None else {0: generator}, max_num_logprobs=None, no_penalties=False,
+        prompt_token_ids=torch.tensor([prompt]), frequency_penalties=torch.tensor([params.frequency_penalty]),
         presence_penalties=torch.tensor([params.presence_penalty]),
         repetition_penalties=torch.tensor([params.repetition_penalty]), output_token_ids=[output],
         allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(procs))
     sampler = Sampler(logprobs_mode="processed_logits")
     out = sampler.apply_logits_processors(logits[None].clone(), meta, False)
-    return out[0] if greedy else sampler.sample(out, meta)[1][0]
+    if greedy:
+        return out[0], int(out[0].argmax())
+    token, processed = sampler.sample(out, meta)
+    return processed[0], int(token[0])
 
 
 def test_options_apply_in_vllms_order():
@@ -166,14 +176,14 @@ def test_options_apply_in_vllms_order():
     ours = Decoding(SamplingParams(max_tokens=4, **{**greedy, "logit_bias": tuple(greedy["logit_bias"].items())}),
                     len(prompt), {0}, None).processors(ids, logits[None].clone())[0]
     assert ours[1] == (1.0 + 3.0) / 2 - 2 * 0.5 - 0.25
-    assert torch.allclose(ours, vllm_processed(logits, prompt, output, **greedy))
+    assert torch.allclose(ours, vllm_sampled(logits, prompt, output, **greedy)[0])
     torch.manual_seed(0)
     wide = torch.randn(64) * 3
     sampled = dict(temperature=2.0, min_p=0.05, top_k=20, top_p=0.8, repetition_penalty=1.3)
     pick = Decoding(SamplingParams(max_tokens=4, **sampled), len(prompt), {0}, None).processors
     assert type(pick[-1]).__name__ == "_Pick"  # what it samples from is what comes before it
     before_pick = LogitsProcessorList(pick[:-1])(ids, wide[None].clone())[0]
-    theirs = vllm_processed(wide, prompt, output, **sampled)
+    theirs = vllm_sampled(wide, prompt, output, **sampled)[0]
     assert torch.equal(before_pick.isfinite(), theirs.isfinite())
     assert torch.allclose(before_pick[theirs.isfinite()], theirs[theirs.isfinite()])
 
@@ -200,6 +210,69 @@ def test_seeded_sampling_draws_from_the_requests_own_generator():
     draws = [[Decoding(SamplingParams(max_tokens=1, temperature=1.0, seed=s), 0, set(), None).choose([1], logits)
               for _ in range(3)] for s in (1, 1, 2)]
     assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_k=20, min_p=0.05),
+                                     dict(temperature=1.5)], ids=["top_p", "top_k+min_p", "plain"])
+def test_a_seed_picks_the_tokens_vllms_sampler_picks(options):
+    """Given the same logits, a seeded request's every token is the one vLLM's CPU sampler picks with that seed:
+    the same integer drawn from the request's generator each step, the same noise hashed from it, the same filters
+    before. 40 steps of one request over a 32,000-token vocabulary, many tokens possible at each."""
+    pytest.importorskip("vllm")
+    torch.manual_seed(3)
+    rows = torch.randn(40, 32000) * 3
+    prompt, output, ours = [4, 5], [], []
+    decoding = Decoding(SamplingParams(max_tokens=40, seed=7, **options), len(prompt), set(), None)
+    theirs = torch.Generator().manual_seed(7)
+    for row in rows:
+        ours.append(decoding.choose(prompt + ours, row))
+        output.append(vllm_sampled(row, prompt, output, theirs, **options)[1])
+    assert ours == output and len(set(ours)) > 20  # sampled, not one likeliest token
+
+
+def test_gumbel_argmax_is_vllms_kernel():
+    """:func:`gumbel_argmax` against vLLM's C++ ``fused_gumbel_argmax`` (what its CPU sampler calls), row by row: wide
+    and narrow logits, rows masked to a few tokens by a filter, a row all -inf, vocabularies of 7 to 151,936."""
+    pytest.importorskip("vllm.v1.sample.sampler")  # which loads vLLM's kernels for this CPU
+
+    from modeswitch.engines.draws import SEED_BOUND, gumbel_argmax
+
+    torch.manual_seed(0)
+    for vocab in (7, 32000, 151936):
+        for scale in (0.3, 3.0, 30.0):
+            logits = torch.randn(16, vocab) * scale
+            logits[1, 5:] = -float("inf")
+            logits[2] = -float("inf")
+            seeds = torch.randint(0, SEED_BOUND, (16,))
+            theirs = torch.ops._C.fused_gumbel_argmax(logits, seeds).tolist()
+            assert [gumbel_argmax(row, int(seed)) for row, seed in zip(logits, seeds)] == theirs
+
+
+def test_a_sampled_verify_step_keeps_the_tokens_vllms_rejection_sampler_keeps():
+    """The owned loop's verify step against vLLM's sampler and rejection sampler on n-gram drafts (no draft
+    probabilities), as ModeSwitch's vLLM engines run them (``vllm_rejection.py``): the same generator draws in the
+    same order give the same accepted drafts, correction and bonus token, in 300 steps of three drafts each."""
+    pytest.importorskip("vllm")
+    from modeswitch.engines.static.sampling import accept
+    from modeswitch.serving.launcher import ROOT
+
+    torch.manual_seed(0)
+    cases = []
+    for seed in range(300):
+        logits = torch.randn(4, 64) * 2
+        drafts = torch.randint(0, 64, (3,)).tolist()
+        drafts[0] = int(logits[0].argmax())  # a likely draft, often accepted
+        cases.append({"logits": logits.tolist(), "drafts": drafts, "seed": seed, "temperature": 0.8,
+                      "top_p": 0.9 if seed % 3 else None})
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_rejection.py"))], input=json.dumps(cases),
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = json.loads(run.stdout)
+    ours = [accept(torch.tensor(c["logits"]), c["drafts"], SamplingParams(
+        max_tokens=8, temperature=c["temperature"], top_p=c["top_p"] or 1.0), torch.Generator().manual_seed(c["seed"]))
+        for c in cases]
+    assert ours == theirs
+    assert sum(len(tokens) - 1 for tokens in ours) > 100  # drafts were accepted, not only corrected
 
 
 def test_tools_reach_a_template_without_tool_support_and_auto_calls_are_parsed():

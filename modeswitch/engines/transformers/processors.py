@@ -11,8 +11,10 @@ probability ``min_p`` left.
 
 ``generate()`` runs with ``do_sample=False`` and this list: :class:`_Pick` samples one token with the request's
 own generator and leaves only that token possible, so ``generate()``'s greedy choice takes it. Sampling that way is
-what makes ``seed`` work: ``generate()`` samples from torch's global generator, which every engine thread shares.
-The owned static-cache loop applies the same list to its logits (:meth:`Decoding.choose`).
+what makes ``seed`` work (``generate()`` samples from torch's global generator, which every engine thread shares),
+and :class:`_Pick` draws as vLLM's CPU sampler does (:mod:`modeswitch.engines.draws`), so a seed gives the text
+vLLM gives wherever the two engines' logits agree. The owned static-cache loop applies the same list to its logits
+(:meth:`Decoding.choose`).
 
 OpenAI's presence and frequency penalties have no transformers processor; :class:`_Penalties` applies them as
 vLLM does (over the generated tokens, subtracted from the logits).
@@ -27,6 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper)
 
 from ..base import TokenLogprobs
+from ..draws import gumbel_argmax, step_seed
 from ...sampling_params import SamplingParams
 from ..grammar import Grammars
 
@@ -58,16 +61,18 @@ class _Record(LogitsProcessor):
 
 
 class _Pick(LogitsProcessor):
-    """Last in the list: sample one token from the processed distribution with the request's generator, and mask
-    every other token, so a greedy choice after it takes the sampled one."""
+    """Last in the list: sample one token per row from the processed logits as vLLM's CPU sampler does (one integer
+    from the request's generator, then :func:`~modeswitch.engines.draws.gumbel_argmax`), and mask every other token,
+    so a greedy choice after it takes the sampled one."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(scores.float(), dim=-1)
-        picked = torch.multinomial(probs.cpu(), 1, generator=self.generator).to(scores.device)
-        return torch.full_like(scores, -float("inf")).scatter_(1, picked, 0.0)
+        out = torch.full_like(scores, -float("inf"))
+        for row in range(scores.shape[0]):
+            out[row, gumbel_argmax(scores[row], step_seed(self.generator))] = 0.0
+        return out
 
 
 def generator(seed: int | None) -> torch.Generator:
@@ -78,6 +83,21 @@ def generator(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def warpers(params: SamplingParams) -> list[LogitsProcessor]:
+    """What a sampled request's logits go through after the penalties, in vLLM's order: temperature, ``min_p``,
+    top-k, top-p (each removed token at -inf). The speculative loop's verify step applies them too
+    (:func:`modeswitch.engines.static.sampling.accept`)."""
+    p = params
+    out: list[LogitsProcessor] = [TemperatureLogitsWarper(p.temperature)]
+    if p.min_p > 0.0:
+        out.append(MinPLogitsWarper(p.min_p))
+    if p.top_k > 0:
+        out.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        out.append(TopPLogitsWarper(p.top_p))
+    return out
 
 
 def stop_ids(params: SamplingParams, eos: set[int]) -> set[int]:
@@ -110,14 +130,7 @@ class Decoding:
         if p.presence_penalty or p.frequency_penalty:
             procs.append(_Penalties(prompt_len, p.presence_penalty, p.frequency_penalty))
         if not p.greedy:
-            procs.append(TemperatureLogitsWarper(p.temperature))
-            if p.min_p > 0.0:
-                procs.append(MinPLogitsWarper(p.min_p))
-            if p.top_k > 0:
-                procs.append(TopKLogitsWarper(p.top_k))
-            if p.top_p < 1.0:
-                procs.append(TopPLogitsWarper(p.top_p))
-            procs.append(_Pick(self.generator))
+            procs += [*warpers(p), _Pick(self.generator)]
         self.processors = LogitsProcessorList(procs)
         self._read = 0
 
