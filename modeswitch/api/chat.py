@@ -13,6 +13,7 @@ from .generation import admitted, json_logprob, limit_tokens, respond, start_all
 from .hermes import ForcedCallStream, Piece, ToolCallStream
 from .openapi import ChatCompletion, Operation, route
 from .schemas import ChatBody
+from .token_text import TokenTexts
 
 bp = Blueprint("chat", __name__)
 DEFAULT_MAX_TOKENS = 256
@@ -49,9 +50,12 @@ class _Shape:
     def __init__(self, req: ChatBody) -> None:
         self.req = req
         self._answers: dict[int, ToolCallStream | ForcedCallStream] = {}  # each choice's reader, by index
+        self._texts: dict[int, TokenTexts] = {}  # each choice's token texts, across the chunks of a stream
 
-    def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
-        return chat_logprobs(lps) if self.req.logprobs else None
+    def _logprobs(self, i: int, lps: list[TokenLogprobs]) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        return chat_logprobs(lps, self._texts.setdefault(i, TokenTexts(ctx().service.tokenizer.decode)))
 
     def _finish(self, gen, calls: list[dict]) -> str | None:
         """The finish reason tool calls set (None: the generation's own). As OpenAI answers: calls the model chose
@@ -65,7 +69,7 @@ class _Shape:
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        out = {"index": i, "message": message, "logprobs": self._logprobs(lps)}
+        out = {"index": i, "message": message, "logprobs": self._logprobs(i, lps)}
         finish = self._finish(gen, calls)
         if finish:
             out["finish_reason"] = finish
@@ -82,7 +86,7 @@ class _Shape:
         piece = answer.feed(text) if answer else Piece(text)
         if answer and not (piece or lps):
             return None
-        return {"delta": piece.delta(), "logprobs": self._logprobs(lps)}
+        return {"delta": piece.delta(), "logprobs": self._logprobs(i, lps)}
 
     def tail(self, i, gen) -> dict:
         answer = self._answers.get(i)
@@ -97,13 +101,15 @@ class _Shape:
         return out
 
 
-def chat_logprobs(lps: list[TokenLogprobs]) -> dict:
-    """Generated tokens' logprobs in the chat shape: token text, its UTF-8 bytes, and the alternatives."""
-    decode = ctx().service.tokenizer.decode
-
-    def entry(token: int, logprob: float) -> dict:
-        text = decode([token])
+def chat_logprobs(lps: list[TokenLogprobs], texts: TokenTexts) -> dict:
+    """Generated tokens' logprobs in the chat shape: token text (as vLLM's server writes it, :mod:`.token_text`; ``texts``
+    has read the tokens chosen before them), its UTF-8 bytes, and the alternatives."""
+    def entry(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode())}
 
-    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top.items()]}
-                        for lp in lps]}
+    content = []
+    for lp in lps:
+        written = texts.position(lp.token, lp.top)
+        content.append({**entry(written[lp.token], lp.logprob),
+                        "top_logprobs": [entry(written[t], v) for t, v in lp.top.items()]})
+    return {"content": content}

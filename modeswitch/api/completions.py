@@ -10,6 +10,7 @@ from .errors import ApiError
 from .generation import admitted, json_logprob, limit_tokens, respond, start_all, validated
 from .openapi import Completion, Operation, route
 from .schemas import CompletionBody
+from .token_text import TokenTexts
 
 bp = Blueprint("completions", __name__)
 DEFAULT_MAX_TOKENS = 16
@@ -51,11 +52,13 @@ class _Shape:
         self.req = req
         self.echoes = echoes
         self.offsets = [len(e) for e in echoes]  # text_offset of the next streamed token, per choice
+        self._texts: dict[int, TokenTexts] = {}  # each choice's token texts, across the chunks of a stream
 
     def _logprobs(self, i: int, lps: list[TokenLogprobs]) -> dict | None:
         if self.req.logprobs is None:
             return None
-        out = generated_logprobs(lps, self.offsets[i])
+        texts = self._texts.setdefault(i, TokenTexts(ctx().service.tokenizer.decode))
+        out = generated_logprobs(lps, self.offsets[i], texts)
         self.offsets[i] += sum(len(t) for t in out["tokens"])
         return out
 
@@ -73,29 +76,29 @@ class _Shape:
         return {"text": "", "logprobs": None}
 
 
-def generated_logprobs(lps: list[TokenLogprobs], offset: int) -> dict:
-    """Generated tokens' logprobs in the legacy completions shape; offsets count from ``offset``."""
+def generated_logprobs(lps: list[TokenLogprobs], offset: int, texts: TokenTexts) -> dict:
+    """Generated tokens' logprobs in the legacy completions shape; offsets count from ``offset``, and ``texts`` has
+    read the tokens chosen before them."""
     return openai_logprobs({"token_ids": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                            "top_logprobs": [lp.top for lp in lps]}, offset)
+                            "top_logprobs": [lp.top for lp in lps]}, offset, texts)
 
 
-def _by_text(top: dict[int, float], decode) -> dict[str, float]:
-    """One position's alternatives keyed by their text, most likely first. Two token ids may decode to the same
-    text: the key keeps the likelier one's logprob (the later, lower one would otherwise overwrite it)."""
-    out: dict[str, float] = {}
-    for token, logprob in top.items():
-        out.setdefault(decode([token]), json_logprob(logprob))
-    return out
-
-
-def openai_logprobs(lp: dict, offset: int = 0) -> dict:
-    """Engine scores (token ids) in OpenAI's legacy completions shape (token strings, offsets)."""
-    decode = ctx().service.tokenizer.decode
-    tokens = [decode([t]) for t in lp["token_ids"]]
-    offsets, pos = [], offset
-    for tok in tokens:
+def openai_logprobs(lp: dict, offset: int = 0, texts: TokenTexts | None = None) -> dict:
+    """Engine scores (token ids) in OpenAI's legacy completions shape (token strings, offsets), each token written as
+    vLLM's server writes it (:mod:`.token_text`). One position's alternatives are keyed by their text, most likely
+    first: two token ids may be written alike, and the key keeps the likelier one's logprob."""
+    texts = texts or TokenTexts(ctx().service.tokenizer.decode)
+    tokens, top, offsets, pos = [], [], [], offset
+    for token, alternatives in zip(lp["token_ids"], lp["top_logprobs"]):
+        written = texts.position(token, alternatives or ())
+        tokens.append(written[token])
         offsets.append(pos)
-        pos += len(tok)
-    top = [None if d is None else _by_text(d, decode) for d in lp["top_logprobs"]]
+        pos += len(written[token])
+        by_text: dict[str, float] | None = None
+        if alternatives is not None:
+            by_text = {}
+            for t, logprob in alternatives.items():
+                by_text.setdefault(written[t], json_logprob(logprob))
+        top.append(by_text)
     return {"tokens": tokens, "token_logprobs": [json_logprob(v) for v in lp["token_logprobs"]], "top_logprobs": top,
             "text_offset": offsets}

@@ -99,3 +99,40 @@ def test_a_request_body_carries_every_decoding_option_into_the_engines_parameter
         with pytest.raises(ApiError) as err:
             parse(CompletionBody, {"prompt": "Hi", field: value}).to_sampling_params(100)
         assert err.value.status == 400 and err.value.param == field
+
+
+def test_a_token_ending_inside_a_character_is_written_as_vllms_server_writes_it(make_app):
+    """Byte tokens split "é" (0xC3 0xA9): the first decodes alone to U+FFFD, which vLLM's server writes as "" (the
+    character is incomplete), and the second as the character it completes after the token chosen before it. The
+    same across a stream's chunks (each token its own chunk), in the chat shape with each text's bytes, and for an
+    alternative ending inside a character."""
+    from modeswitch.testing.engine import Script
+
+    app = make_app(scripts={"fp16": Script(reply="aé!")})
+    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    lp = app.post("/v1/completions", json=body).get_json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "", "é"] and lp["text_offset"] == [0, 1, 1]
+    streamed = [c["choices"][0]["logprobs"] for c in sse(app.post("/v1/completions", json={**body, "stream": True}))]
+    assert [t for chunk in streamed if chunk for t in chunk["tokens"]] == ["a", "", "é"]
+    chat = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    content = app.post("/v1/chat/completions", json=chat).get_json()["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["bytes"]) for c in content] == [("a", [97]), ("", []), ("é", [195, 169])]
+    chunks = sse(app.post("/v1/chat/completions", json={**chat, "stream": True}))
+    assert [c["token"] for chunk in chunks if (lps := chunk["choices"][0].get("logprobs")) for c in lps["content"]] \
+        == ["a", "", "é"]
+
+
+def test_token_texts_follow_vllms_correction():
+    """The rule alone, against the byte tokenizer: a lone continuation byte with nothing before it that completes a
+    character is "", a character's last byte after its lead bytes is the whole character, an alternative is read
+    against the tokens chosen before its position, and a whole token is its own text."""
+    from modeswitch.api.token_text import TokenTexts
+    from modeswitch.testing.tokenizer import ByteTokenizer
+
+    texts = TokenTexts(ByteTokenizer().decode)
+    euro = list("€".encode())  # three bytes
+    assert texts.position(euro[0], [97]) == {euro[0]: "", 97: "a"}
+    assert texts.position(euro[1], [euro[2]]) == {euro[1]: "", euro[2]: ""}
+    assert texts.position(euro[2], [0xC3]) == {euro[2]: "€", 0xC3: ""}
+    assert texts.position(0xA9) == {0xA9: ""}  # a continuation byte after a whole character completes nothing
+    assert TokenTexts(ByteTokenizer().decode).position(0xA9) == {0xA9: ""}
