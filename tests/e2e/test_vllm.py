@@ -422,9 +422,8 @@ def test_engines_serve_concurrently(vllm_server, int8_modes):
         except AssertionError as exc:
             errors.append(str(exc))
 
-    served = ["fp16", "speculative", "continuous_batching", "gptq",
-              *(["int8", "int8+speculative", "int8+prefix_cache"] if int8_modes else [])]
-    each = 2  # seven modes, one on each engine at least: 14 requests, inside one client's limit of 16 in flight
+    served = ["fp16", "speculative", "continuous_batching", "gptq", *(["int8", "int8+speculative"] if int8_modes else [])]
+    each = 2  # seven modes: 14 requests, inside one client's limit of 16 in flight
     threads = [threading.Thread(target=one, args=(m, i)) for m in served for i in range(each)]
     for t in threads:
         t.start()
@@ -463,48 +462,48 @@ def gone(pid: int) -> bool:
 
 
 def test_a_killed_engine_answers_its_requests_leaves_the_pool_and_comes_back(vllm_server):
-    """SIGKILL to the process of the second int8 engine (own_engine), with a request running on it: the request is
-    answered at once, its mode leaves the pool (restarting, with the reason) while the others serve, /health says
+    """SIGKILL to the process of the int8 drafting engine, with a request running on it: the request is answered
+    at once, its mode leaves the pool (restarting, with the reason) while the others serve, /health says
     degraded, and the engine is started again and serves. Last of the vLLM server's tests: the engine it kills is
     back only after a restart."""
-    engine = modes(vllm_server)["engines"]["int8+prefix_cache"]
-    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["int8+prefix_cache"])
+    engine = modes(vllm_server)["engines"]["int8+speculative"]
+    assert (engine["status"], engine["deaths"], engine["modes"]) == ("up", 0, ["int8+speculative"])
     answers = []
     asked = threading.Thread(target=lambda: answers.append(requests.post(vllm_server + "/v1/completions", timeout=120, json={
         "model": "demo", "prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
-        "mode": "int8+prefix_cache"})))
+        "mode": "int8+speculative"})))
     asked.start()
     time.sleep(1.5)
     os.kill(engine["pids"][0], signal.SIGKILL)
     killed = time.monotonic()
     asked.join(30)
     assert not asked.is_alive() and answers[0].status_code == 503, answers
-    assert "int8+prefix_cache died" in answers[0].json()["error"]["message"]
+    assert "int8+speculative died" in answers[0].json()["error"]["message"]
     assert time.monotonic() - killed < 5
     deadline = time.monotonic() + 10
     while not all(gone(pid) for pid in engine["pids"]) and time.monotonic() < deadline:  # the worker follows
         time.sleep(0.2)
     assert all(gone(pid) for pid in engine["pids"]), engine["pids"]
-    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "int8+prefix_cache")
+    card = next(m for m in modes(vllm_server)["modes"] if m["name"] == "int8+speculative")
     assert card["status"] == "restarting" and "died" in card["reason"] and card["in_flight"] == 0
     health = requests.get(vllm_server + "/health", timeout=30).json()
-    assert health["status"] == "degraded" and health["modes_down"] == ["int8+prefix_cache"]
+    assert health["status"] == "degraded" and health["modes_down"] == ["int8+speculative"]
     assert complete(vllm_server, PROMPTS[0], "fp16", max_tokens=4)["modeswitch"]["mode"] == "fp16"
     pinned = requests.post(vllm_server + "/v1/completions", timeout=60, json={
-        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "int8+prefix_cache"})
+        "model": "demo", "prompt": "x", "max_tokens": 2, "mode": "int8+speculative"})
     assert pinned.status_code == 503 and "restarting" in pinned.json()["error"]["message"]
     deadline = time.monotonic() + 600
     while requests.get(vllm_server + "/health", timeout=30).json()["status"] != "ok":
-        assert time.monotonic() < deadline, modes(vllm_server)["engines"]["int8+prefix_cache"]
+        assert time.monotonic() < deadline, modes(vllm_server)["engines"]["int8+speculative"]
         time.sleep(2)
-    assert complete(vllm_server, PROMPTS[1], "int8+prefix_cache", max_tokens=4)["modeswitch"]["mode"] == \
-        "int8+prefix_cache"
-    again = modes(vllm_server)["engines"]["int8+prefix_cache"]
+    assert complete(vllm_server, PROMPTS[1], "int8+speculative", max_tokens=4)["modeswitch"]["mode"] == \
+        "int8+speculative"
+    again = modes(vllm_server)["engines"]["int8+speculative"]
     assert (again["status"], again["deaths"], again["restarts"]) == ("up", 1, 1)
     assert set(again["pids"]).isdisjoint(engine["pids"])
     metrics = requests.get(vllm_server + "/metrics", timeout=30).text
-    assert 'modeswitch_engine_deaths_total{mode="int8+prefix_cache"} 1.0' in metrics
-    assert 'modeswitch_engine_restarts_total{mode="int8+prefix_cache"} 1.0' in metrics
+    assert 'modeswitch_engine_deaths_total{mode="int8+speculative"} 1.0' in metrics
+    assert 'modeswitch_engine_restarts_total{mode="int8+speculative"} 1.0' in metrics
 
 
 def test_a_missing_w8a8_checkpoint_leaves_only_the_int8_modes_unavailable(tmp_path):
