@@ -91,16 +91,14 @@ def parse_mode(data, source: str) -> ModeSpec:
 
 def own_engine_on(specs: list[ModeSpec], weights: str) -> tuple[list[ModeSpec], list[str]]:
     """``specs`` with each engine of its own (``own_engine``) moved to the mode that decodes the same way on
-    ``weights`` (the weights measured fastest where the server runs), where there is one: the same decoding,
-    batching and prefix-cache reading, so the second engine a burst spreads over then runs the fast weights and
-    serves the same requests. Returns the specs and what moved ("from -> to")."""
+    ``weights`` (the weights measured fastest where the server runs), where there is one: the second engine a
+    burst spreads over then runs the fast weights. Returns the specs and what moved ("from -> to")."""
     out, moved = list(specs), []
     for i, spec in enumerate(out):
         if not spec.own_engine or spec.weights == weights:
             continue
         j = next((j for j, other in enumerate(out) if other.weights == weights and other.decoding == spec.decoding
-                  and other.batching == spec.batching and other.prefix_cache == spec.prefix_cache
-                  and not other.own_engine), None)
+                  and other.batching == spec.batching and not other.own_engine), None)
         if j is not None:
             out[i], out[j] = replace(spec, own_engine=False), replace(out[j], own_engine=True)
             moved.append(f"{spec.name} -> {out[j].name}")

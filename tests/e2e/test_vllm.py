@@ -42,8 +42,8 @@ def mode_stats(url: str, name: str) -> dict:
 
 
 GPTQ_MODES = {"gptq", "gptq+prefix_cache"}
-INT8 = {"int8", "int8+continuous_batching", "int8+speculative"}
-INT8_OWN = {"int8+prefix_cache"}  # the int8 weights on an engine of their own (own_engine, 2+ cores)
+INT8 = {"int8", "int8+continuous_batching", "int8+prefix_cache"}
+INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their own (own_engine, 2+ cores)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
     info = modes(vllm_server)
     cards = {m["name"]: m for m in info["modes"]}
     assert {n: m["reason"] for n, m in cards.items() if m["status"] != "available"} == {}
-    int8_own = INT8_OWN if int8_modes else set()
-    on_transformers = (set() if gptq_on_vllm else GPTQ_MODES) | (INT8 | INT8_OWN) - int8_modes - int8_own
+    int8_drafting = INT8_DRAFTING if int8_modes else set()
+    on_transformers = (set() if gptq_on_vllm else GPTQ_MODES) | (INT8 | INT8_DRAFTING) - int8_modes - int8_drafting
     assert info["backend"] == ("vllm+transformers" if on_transformers else "vllm")
     assert {n for n, m in cards.items() if m["backend"] == "transformers"} == on_transformers
     assert {n for n, m in cards.items() if m["backend"] == "vllm"} == set(cards) - on_transformers
@@ -150,8 +150,8 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
     assert all("no int8 matmul" in cards[m]["backend_reason"] for m in INT8 & on_transformers)
     # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
     kernels = {m: cards[m]["kernels"] for m in cards}
-    for m in int8_modes | int8_own:
-        engine = "vllm:int8+prefix_cache" if m in int8_own else "vllm:int8"
+    for m in int8_modes | int8_drafting:
+        engine = "vllm:int8+speculative" if m in int8_drafting else "vllm:int8"
         assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
                               "activations": "int8 (dynamic, per token)", "compute": "float32",
                               "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": engine}, kernels[m]
@@ -173,17 +173,17 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
     assert {cards[m]["decode"] for m in on_transformers} <= {"eager dynamic cache", "continuous batching, eager"}
     engines = info["engines"]
     assert set(engines) == {"fp16"} | ({"gptq"} if gptq_on_vllm else set()) | \
-        ({"int8", "int8+prefix_cache"} if int8_modes else set())
+        ({"int8", "int8+speculative"} if int8_modes else set())
     # n-gram speculation shares its weights' engine (each request drafts or not, see the vLLM plugin)
     assert set(engines["fp16"]["modes"]) == {"fp16", "prefix_cache", "continuous_batching", "speculative"}
     # one batch an engine: any of its modes may fill it (the sum of their queue bounds)
     batch = sum(spec.max_queue for spec in load_modes() if spec.name in engines["fp16"]["modes"])
     assert {cards[m]["max_queue"] for m in engines["fp16"]["modes"]} == {batch} and batch > 8
     assert not int8_modes or set(engines["int8"]["modes"]) == int8_modes
-    # on a CPU each engine computes on its own CPUs where it can: the int8 batch and the int8 engine of its own,
+    # on a CPU each engine computes on its own CPUs where it can: the int8 batch and the int8 drafting engine,
     # the two a burst is spread over, never on the same ones (vLLM would bind both to the first core)
     if int8_modes and len(os.sched_getaffinity(0)) > 1:
-        assert cards["int8"]["cpus"] and cards["int8"]["cpus"] != cards["int8+prefix_cache"]["cpus"]
+        assert cards["int8"]["cpus"] and cards["int8"]["cpus"] != cards["int8+speculative"]["cpus"]
     # one process an engine: its worker computes in the engine-core process, bound to the engine's CPUs
     assert all(len(e["pids"]) == 1 for e in engines.values()), engines
     for m in cards:

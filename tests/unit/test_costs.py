@@ -410,10 +410,9 @@ def test_an_engine_that_changed_keeps_its_old_curves_until_measured_again(tmp_pa
 
 
 def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_here(tmp_path):
-    """Mode files give int8+prefix_cache an engine of its own (a burst spreads over two int8 engines: right where
+    """Mode files give int8+speculative an engine of its own (a burst spreads over two int8 engines: right where
     int8 is fast). Where an earlier run here measured the fp16 engine stepping faster than the int8 one (an AVX2
-    CPU), the next start gives that engine to ``prefix_cache`` instead (the fp16 mode that decodes, batches and reads
-    the prefix cache as it does: not ``fp16``, which reads none); measured elsewhere, or not at all, the files
+    CPU), the next start gives that engine to ``speculative`` instead; measured elsewhere, or not at all, the files
     decide."""
     from modeswitch.compose import follow_measurements
     from modeswitch.device import machine
@@ -436,7 +435,7 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     shipped = load_modes()
     said = []
     moved = {m.name: m.own_engine for m in follow_measurements(shipped, CostModel(path), "demo", said.append)}
-    assert moved["prefix_cache"] and not moved["int8+prefix_cache"] and "int8+prefix_cache -> prefix_cache" in said[0]
+    assert moved["speculative"] and not moved["int8+speculative"] and "speculative" in said[0]
     assert sum(moved.values()) == sum(m.own_engine for m in shipped)
     unmeasured = follow_measurements(shipped, CostModel(tmp_path / "none.json"), "demo", said.append)
     assert unmeasured == shipped and len(said) == 1
