@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import platform
 import pstats
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from modeswitch.bench.report import save_results  # noqa: E402
+from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.compose import build_app  # noqa: E402
 from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
 from modeswitch.controller.features import Features  # noqa: E402
@@ -36,8 +34,8 @@ from modeswitch.testing.engine import Script  # noqa: E402
 
 #: the default layout on a 2-core AVX2 CPU, as the modes' cards say it: mode -> (its engine, the core it computes
 #: on; None: not pinned, the GPTQ modes' in-process transformers engine)
-LAYOUT = {"fp16": ("fp16", 0), "continuous_batching": ("fp16", 0), "speculative": ("fp16", 0),
-          "prefix_cache": ("prefix_cache", 1), "int8": ("int8", 0), "int8+continuous_batching": ("int8", 0),
+LAYOUT = {"fp16": ("fp16", 0), "continuous_batching": ("fp16", 0), "prefix_cache": ("fp16", 0),
+          "speculative": ("speculative", 1), "int8": ("int8", 0), "int8+continuous_batching": ("int8", 0),
           "int8+speculative": ("int8", 0), "int8+prefix_cache": ("int8", 0), "gptq": ("gptq", None),
           "gptq+prefix_cache": ("gptq", None)}
 
@@ -138,8 +136,7 @@ def main() -> int:
                               "mean_us": round(statistics.fmean(spent), 1)}
         finally:
             server.close()
-    machine = f"{platform.machine()}, {time.strftime('%Y-%m-%d')}"
-    lines = [f"# One decision's CPU time ({len(modes)} modes resident, default policy, vLLM gate report; {machine})",
+    lines = [f"# One decision's CPU time ({len(modes)} modes resident, default policy, vLLM gate report; {processor()})",
              "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
     lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
