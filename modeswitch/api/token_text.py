@@ -28,8 +28,9 @@ class TokenTexts:
         self.context: list[int] = []
 
     def position(self, chosen: int, alternatives: Iterable[int] = ()) -> dict[int, str]:
-        """The texts of the token chosen at the next position and of its alternatives, by token id."""
-        texts = {token: self._text(token) for token in (chosen, *alternatives)}
+        """The texts of the token chosen at the next position and of its alternatives, by token id (the chosen token
+        is most often among its alternatives: each token is decoded once)."""
+        texts = {token: self._text(token) for token in dict.fromkeys((chosen, *alternatives))}
         self.context = [*self.context, chosen][-CONTEXT:]
         return texts
 
