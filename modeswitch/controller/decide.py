@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..weight_kinds import REFERENCE_MODE
 from ..yamlconf import ConfigError
@@ -23,7 +24,7 @@ from .costs import CostModel
 from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
-from .policy import Policy
+from .policy import Choice, Policy
 from .quality import Judged, judge_mode, runs
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
@@ -58,7 +59,8 @@ class NoEligibleMode(RuntimeError):
 @dataclass(frozen=True)
 class Decision:
     mode: str
-    reason: str
+    #: why: the text, or what writes it when :attr:`reason` is first read (see :class:`~.policy.Choice`)
+    why: str | Callable[[], str]
     features: Features
     filtered: Mapping[str, Verdict] = field(default_factory=dict)
     policy: str = ""
@@ -68,11 +70,25 @@ class Decision:
     #: the rule that matched, "default", "pinned", or "pinned-gate-pending" (a low-cardinality metrics label: the
     #: decisions counter counts the answers no quality verdict vouched for under it)
     rule: str = ""
-    prediction: Mapping | None = None  # what the policy expected of the chosen mode (and of the runner-up)
+    #: the policy's pick, with what it expected of the chosen mode (and of the runner-up); None: pinned, or a
+    #: stand-in for a policy whose modes were all filtered
+    chosen: Choice | None = None
     decision_wall_us: float = 0.0
     #: why the chosen mode's quality verdict was pending (pinned: its gate rows were scored on other kernels); empty
     #: when the gate had passed it
     gate_pending: str = ""
+
+    @cached_property
+    def reason(self) -> str:
+        return self.why if isinstance(self.why, str) else self.why()
+
+    @property
+    def prediction(self) -> Mapping | None:
+        return self.chosen.prediction if self.chosen is not None else None
+
+
+def _explained(policy: str, choice: Choice) -> str:
+    return f"policy {policy}: {choice.reason}"
 
 
 class Controller:
@@ -121,15 +137,13 @@ class Controller:
 
     def _filter(self, cycle: Cycle, exclude: frozenset[str]) -> dict[str, Verdict]:
         filtered: dict[str, Verdict] = dict(self._not_loaded)
-        for name, mode in self.modes.items():
-            if name in exclude:
-                filtered[name] = _EXCLUDED
-                continue
-            for gate in self.gates:
-                verdict = gate.check(mode, cycle)
-                if verdict is not None:
-                    filtered[name] = verdict
-                    break
+        if exclude:
+            filtered.update((name, _EXCLUDED) for name in exclude if name in self.modes)
+            left = [mode for name, mode in self.modes.items() if name not in exclude]
+        else:
+            left = list(self.modes.values())
+        for gate in self.gates:
+            left = gate.admit(left, cycle, filtered)
         return filtered
 
     def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
@@ -137,10 +151,11 @@ class Controller:
         cycle = Cycle(features, self.policy, self.quality_report)
         policy = cycle.policy
         filtered = self._filter(cycle, exclude)
-        pending = ""
+        pending, chosen = "", None
+        reason: str | Callable[[], str]
         if pinned is not None:
             refused = filtered.get(pinned)
-            mode, reason, rule, prediction = pinned, "pinned by the request", "pinned", None
+            mode, reason, rule = pinned, "pinned by the request", "pinned"
             if refused is not None and refused.code is Code.GATE_PENDING:  # pinning is how a pending mode is served
                 pending, reason, rule = refused.detail, f"pinned by the request; {refused.detail}", "pinned-gate-pending"
             elif refused is not None:
@@ -149,15 +164,15 @@ class Controller:
             choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step))
             if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
                 mode, why, rule = stand_in
-                reason, prediction = f"policy {policy.name}: {choice.reason}; {why}", None
+                reason = f"policy {policy.name}: {choice.reason}; {why}"
             elif choice.mode is None:
                 raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
             else:
-                mode, reason, rule = choice.mode, f"policy {policy.name}: {choice.reason}", choice.rule or "default"
-                prediction = choice.prediction
+                mode, rule, chosen = choice.mode, choice.rule or "default", choice
+                reason = partial(_explained, policy.name, choice)
         spent_us = (time.thread_time_ns() - cpu) / 1e3
         wall_us = (time.perf_counter() - start) * 1e6
-        return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, prediction, wall_us, pending)
+        return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, chosen, wall_us, pending)
 
     def add_observer(self, observer: Observer) -> None:
         """Have ``observer`` called with every completed request."""

@@ -1,7 +1,8 @@
 """Gates: filters that remove modes a request must not go to, each answering with a typed verdict.
 
-A gate answers ``None`` (pass) or a :class:`Verdict`. The controller applies them all before the policy
-chooses, so a policy can never route around one. The gates that depend on the policy (quality, memory,
+A gate passes a mode or stops it with a :class:`Verdict`. The controller applies them all before the policy
+chooses, so a policy can never route around one: each gate in turn over the modes the gates before it passed (a
+gate with nothing to ask of a request passes them all at once, as the memory gate does with no memory pressure). The gates that depend on the policy (quality, memory,
 energy) read it from the :class:`Cycle`, the state of one request's filtering: the policy and quality
 report as they were when the request was decided, so a reload applies to the next request and never to
 half of this one's modes.
@@ -9,6 +10,7 @@ half of this one's modes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
@@ -31,13 +33,30 @@ class Cycle:
 class Gate(Protocol):
     name: str
 
-    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None: ...
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        """Of ``modes``, those it passes; each it stops goes into ``filtered`` with its verdict. The controller
+        asks each gate once for every mode the gates before it passed (so a mode's verdict is its first gate's),
+        and a gate with nothing to ask of this request passes them all without reading one."""
+
+
+class _EachMode:
+    """A gate that asks every mode: its ``check(mode, cycle)`` answers None (pass) or the verdict."""
+
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        passed = []
+        for mode in modes:
+            verdict = self.check(mode, cycle)  # type: ignore[attr-defined]
+            if verdict is None:
+                passed.append(mode)
+            else:
+                filtered[mode.name] = verdict
+        return passed
 
 
 _LOADING = Verdict(Code.LOADING, "loading: its engine starts after the server began serving")
 
 
-class AvailableGate:
+class AvailableGate(_EachMode):
     """The mode was built and warmed up."""
 
     name = "available"
@@ -55,14 +74,20 @@ class QuarantineGate:
 
     name = "quarantine"
 
-    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        left = mode.quarantine_left
-        if left > 0:
-            return Verdict(Code.QUARANTINED, f"quarantined for {left:.0f} s after: {mode.last_error}")
-        return None
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        now = time.monotonic()  # once for every mode
+        passed = []
+        for mode in modes:
+            until = mode.quarantined_until
+            if until > now:
+                filtered[mode.name] = Verdict(Code.QUARANTINED,
+                                              f"quarantined for {until - now:.0f} s after: {mode.last_error}")
+            else:
+                passed.append(mode)
+        return passed
 
 
-class CapabilityGate:
+class CapabilityGate(_EachMode):
     """The mode honours every request option the request sets (sampling on a greedy-only engine, prompt logprobs,
     a grammar on an engine that cannot constrain, ...): one that cannot is filtered, never chosen and then failed."""
 
@@ -71,9 +96,14 @@ class CapabilityGate:
     def __init__(self) -> None:
         self._verdicts: dict[frozenset[str], Verdict] = {}
 
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        if not cycle.features.needs:  # most requests set no option a mode may lack
+            return modes
+        return _EachMode.admit(self, modes, cycle, filtered)
+
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         needs = cycle.features.needs
-        if not needs:  # most requests set no option a mode may lack
+        if not needs:
             return None
         missing = frozenset(needs) - mode.capabilities
         if not missing:
@@ -83,7 +113,7 @@ class CapabilityGate:
         return self._verdicts[missing]
 
 
-class CapacityGate:
+class CapacityGate(_EachMode):
     """The mode's bounded queue has room; when every mode is full, waiting helps."""
 
     name = "capacity"
@@ -114,21 +144,30 @@ class QualityGate:
         #: into the newer cache
         self._cache: tuple[tuple, dict] = ((), {})
 
-    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        quality, report = cycle.policy.quality, cycle.quality_report
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        quality, report, task = cycle.policy.quality, cycle.quality_report, cycle.features.task
         if report is None:
-            return _NO_REPORT if quality.require_gate else None
-        key = (id(report), id(cycle.policy), cycle.features.task)
+            if not quality.require_gate:
+                return modes
+            filtered.update((mode.name, _NO_REPORT) for mode in modes)
+            return []
+        key = (id(report), id(cycle.policy), task)
         cached, verdicts = self._cache
         if cached != key:
             verdicts = {}
             self._cache = (key, verdicts)
-        card = mode.kernels
-        judged = verdicts.get(mode.name)
-        if judged is None or judged[0] is not card:  # a card is replaced, not changed, when an engine restarts
-            judged = verdicts[mode.name] = (card, self._verdict(
-                judge_mode(report, quality, cycle.features.task, mode.name, card), quality.require_gate))
-        return judged[1]
+        passed = []
+        for mode in modes:
+            name, card = mode.name, mode.kernels
+            judged = verdicts.get(name)
+            if judged is None or judged[0] is not card:  # a card is replaced, not changed, when an engine restarts
+                judged = verdicts[name] = (card, self._verdict(judge_mode(report, quality, task, name, card),
+                                                               quality.require_gate))
+            if judged[1] is None:
+                passed.append(mode)
+            else:
+                filtered[name] = judged[1]
+        return passed
 
     @staticmethod
     def _verdict(judged: Judged | None, require_gate: bool) -> Verdict | None:
@@ -140,7 +179,7 @@ class QualityGate:
         return None if judged.status == "pass" else Verdict(Code.QUALITY, judged.detail)
 
 
-class MemoryGate:
+class MemoryGate(_EachMode):
     """Under memory pressure (free fraction below the policy's ``memory.min_headroom``), only modes whose
     KV is reserved at start take new requests: the others would allocate the request's KV now."""
 
@@ -148,6 +187,11 @@ class MemoryGate:
 
     def __init__(self, kv_bytes_per_token: int) -> None:
         self.kv_bytes_per_token = kv_bytes_per_token
+
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        if cycle.features.memory_headroom >= cycle.policy.memory.min_headroom:  # no pressure: nothing to ask
+            return modes
+        return _EachMode.admit(self, modes, cycle, filtered)
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         floor, f = cycle.policy.memory.min_headroom, cycle.features
@@ -158,7 +202,7 @@ class MemoryGate:
                                     f"would allocate ~{need / 2**20:.1f} MiB of KV for the request")
 
 
-class EnergyGate:
+class EnergyGate(_EachMode):
     """The mode's running J per generated token (measured or estimated, see ``modeswitch.energy``) is within
     the tightest cap the policy sets for it on this request. A mode that has not finished a request yet has
     no figure and passes: it cannot be judged before it has been tried."""

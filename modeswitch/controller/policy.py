@@ -18,12 +18,32 @@ from .quality import QualityPolicy
 from .verdicts import Verdict
 
 
-@dataclass(frozen=True)
 class Choice:
-    mode: str | None
-    reason: str
-    rule: str | None
-    prediction: Mapping[str, Any] | None = None  # what the policy expected of the mode it chose
+    """A policy's pick: the mode (None: none eligible), the rule that picked it, why, and what the policy expected
+    of it. The why and the expectation may be given as functions that write them: they are read when the
+    response's ``modeswitch`` block is written, after the request went to its engine, so a decision does not
+    spend its time on text no one has asked for yet (written once, on the first read)."""
+
+    __slots__ = ("mode", "rule", "_reason", "_prediction")
+
+    def __init__(self, mode: str | None, reason: str | Callable[[], str], rule: str | None,
+                 prediction: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.mode, self.rule, self._reason, self._prediction = mode, rule, reason, prediction
+
+    @property
+    def reason(self) -> str:
+        if callable(self._reason):
+            self._reason = self._reason()
+        return self._reason
+
+    @property
+    def prediction(self) -> Mapping[str, Any] | None:
+        if callable(self._prediction):
+            self._prediction = self._prediction()
+        return self._prediction
+
+    def __repr__(self) -> str:
+        return f"Choice({self.mode!r}, {self.reason!r}, {self.rule!r}, {self.prediction!r})"
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Iterable, Mapping
 
 from ..yamlconf import Section
 from .completed import Completed
-from .costs import Predict
+from .costs import Predict, Prediction
 from .features import FEATURE_DOCS, Features
 from .policy import COMMON_KEYS, Choice, EnergyPolicy, MemoryPolicy, positive
 from .quality import QualityPolicy
@@ -134,28 +134,22 @@ class RulePolicy:
 
     def choose(self, features: Features, filtered: Mapping[str, Verdict], predict: Predict | None = None) -> Choice:
         """A mode of the matching rule's list (then the fallback list) that no gate filtered: the first one, or
-        with ``order: predicted`` (and ``predict``) the one predicted to finish first."""
+        with ``order: predicted`` (and ``predict``) the one predicted to finish first. The reason is written when
+        read (see :class:`~.policy.Choice`)."""
         rule = self.match(features)
-        if rule is not None:
-            why = f"rule {rule.name!r} ({', '.join(c.explain(features) for c in rule.conditions) or 'always'})"
-            candidates = rule.candidates(features)
-        else:
-            why = "no rule matched: default"
-            candidates = self.default
+        candidates = rule.candidates(features) if rule is not None else self.default
         order = (rule.order if rule is not None and rule.order else self.order) if predict is not None else "listed"
-        skipped = []
-        for group in (candidates, tuple(m for m in self.fallback if m not in candidates)):
+        groups = (candidates, tuple(m for m in self.fallback if m not in candidates))
+        rule_name = rule.name if rule else None
+        for i, group in enumerate(groups):
             admitted = [name for name in group if name not in filtered]
-            skipped += [f"{name}: {filtered[name]}" for name in group if name in filtered]
             if not admitted:
                 continue
-            tail = f"; skipped {'; '.join(skipped)}" if skipped else ""
-            via = " (fallback)" if group is not candidates else ""
-            rule_name = rule.name if rule else None
+            explain = _Explain(rule, features, filtered, groups[:i + 1], fallback=i > 0)
             if order == "predicted":
-                return _fastest(admitted, predict, f"{why}{via}", tail, rule_name)
-            return Choice(admitted[0], f"{why} -> {admitted[0]}{via}{tail}", rule_name)
-        return Choice(None, f"{why}; no eligible mode: {'; '.join(skipped)}", rule.name if rule else None)
+                return _fastest(admitted, predict, explain, rule_name)
+            return Choice(admitted[0], partial(explain.listed, admitted[0]), rule_name)
+        return Choice(None, _Explain(rule, features, filtered, groups, fallback=False).none, rule_name)
 
     @property
     def first_modes(self) -> tuple[str, ...]:
@@ -189,7 +183,42 @@ class RulePolicy:
         """A rule table names its modes itself: which share a batch changes nothing."""
 
 
-def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: str | None) -> Choice:
+class _Explain:
+    """Writes a rule policy's reason when it is read: the rule (or the default) and its conditions, the mode
+    chosen and why, and the modes of its lists a gate skipped."""
+
+    __slots__ = ("rule", "features", "filtered", "groups", "fallback")
+
+    def __init__(self, rule: Rule | None, features: Features, filtered: Mapping[str, Verdict],
+                 groups: tuple[tuple[str, ...], ...], fallback: bool) -> None:
+        self.rule, self.features, self.filtered, self.groups, self.fallback = rule, features, filtered, groups, fallback
+
+    def why(self) -> str:
+        """The rule that matched, with its conditions as this request meets them (or the default)."""
+        rule = self.rule
+        if rule is None:
+            return "no rule matched: default"
+        return f"rule {rule.name!r} ({', '.join(c.explain(self.features) for c in rule.conditions) or 'always'})"
+
+    @property
+    def via(self) -> str:
+        return " (fallback)" if self.fallback else ""
+
+    def skipped(self) -> list[str]:
+        return [f"{name}: {self.filtered[name]}" for group in self.groups for name in group if name in self.filtered]
+
+    def tail(self) -> str:
+        skipped = self.skipped()
+        return f"; skipped {'; '.join(skipped)}" if skipped else ""
+
+    def listed(self, mode: str) -> str:
+        return f"{self.why()} -> {mode}{self.via}{self.tail()}"
+
+    def none(self) -> str:
+        return f"{self.why()}; no eligible mode: {'; '.join(self.skipped())}"
+
+
+def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str | None) -> Choice:
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
     unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
     otherwise (modes on one engine stream with the same prompt to compute share one prediction). A mode whose
@@ -198,28 +227,52 @@ def _fastest(admitted: list[str], predict: Predict, why: str, tail: str, rule: s
     its steps take the cores from that engine's, which the greedy sum of one request's own time and delay does not
     see. So it is not even predicted while another mode is."""
     idle = getattr(predict, "idle", frozenset())
-    left_alone = [name for name in admitted if name in idle]
     predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
                  if name not in idle and (p := predict(name)) is not None]
-    fallback = not predicted and bool(left_alone)
+    fallback = not predicted and any(name in idle for name in admitted)
     if fallback:
         predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
                      if name in idle and (p := predict(name)) is not None]
     if not predicted:
-        return Choice(admitted[0], f"{why} -> {admitted[0]} (no mode measured yet: the list's order){tail}", rule)
-    predicted.sort(key=lambda t: t[:2])
-    *_, best, p = predicted[0]
-    prediction = {"chosen": {"mode": best, **p.as_dict()}}
-    text = f"{why} -> {best}, predicted {p.total:.3g} s"
-    second = next(((name, q) for *_, name, q in predicted[1:] if q is not p), None)
-    if second is not None:
-        prediction["runner_up"] = {"mode": second[0], **second[1].as_dict()}
-        text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
-    if fallback:
-        text += "; its engine is slower at every load than another on its cores, no other mode admitted and measured"
-    elif left_alone:
-        text += "; left alone, their engine slower at every load than another on its cores: " + ", ".join(left_alone)
-    return Choice(best, text + tail, rule, prediction)
+        return Choice(admitted[0], lambda: f"{explain.why()}{explain.via} -> {admitted[0]} (no mode measured yet: the list's "
+                                           f"order){explain.tail()}", rule)
+    best = min(predicted, key=lambda t: t[:2])
+    ranked = _Ranked(best, predicted, admitted, idle, fallback, explain)
+    return Choice(best[2], ranked.reason, rule, ranked.prediction)
+
+
+class _Ranked:
+    """What :func:`_fastest` predicted, written when read: the chosen mode's prediction and the runner-up's (the best
+    mode predicted otherwise), and the modes it left alone."""
+
+    __slots__ = ("best", "predicted", "admitted", "idle", "fallback", "explain")
+
+    def __init__(self, best: tuple, predicted: list[tuple], admitted: list[str], idle: frozenset[str],
+                 fallback: bool, explain: _Explain) -> None:
+        self.best, self.predicted, self.admitted, self.idle = best, predicted, admitted, idle
+        self.fallback, self.explain = fallback, explain
+
+    def runner_up(self) -> tuple[str, Prediction] | None:
+        p = self.best[3]
+        return next(((name, q) for *_, name, q in sorted(self.predicted, key=lambda t: t[:2]) if q is not p), None)
+
+    def prediction(self) -> dict[str, Any]:
+        out = {"chosen": {"mode": self.best[2], **self.best[3].as_dict()}}
+        if (second := self.runner_up()) is not None:
+            out["runner_up"] = {"mode": second[0], **second[1].as_dict()}
+        return out
+
+    def reason(self) -> str:
+        *_, best, p = self.best
+        text = f"{self.explain.why()}{self.explain.via} -> {best}, predicted {p.total:.3g} s"
+        if (second := self.runner_up()) is not None:
+            text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
+        left_alone = [name for name in self.admitted if name in self.idle]
+        if self.fallback:
+            text += "; its engine is slower at every load than another on its cores, no other mode admitted and measured"
+        elif left_alone:
+            text += "; left alone, their engine slower at every load than another on its cores: " + ", ".join(left_alone)
+        return text + self.explain.tail()
 
 
 def _unique(names: Iterable[str]) -> list[str]:

@@ -56,8 +56,9 @@ class ModeView(Protocol):
         """Its KV is reserved at start, so a request allocates none (what memory pressure allows)."""
 
     @property
-    def quarantine_left(self) -> float:
-        """Seconds of quarantine left after a failure (0 when healthy)."""
+    def quarantined_until(self) -> float:
+        """When its quarantine after a failure ends (``time.monotonic()``; 0 when healthy): a gate reads the clock
+        once for every mode."""
 
     @property
     def last_error(self) -> str:

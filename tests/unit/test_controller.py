@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -39,10 +40,14 @@ class Mode:
     speculative: bool = False
     capabilities: frozenset = OPTIONS
     preallocated_kv: bool = False
-    quarantine_left: float = 0.0
+    quarantine_s: float = 0.0  # seconds of quarantine left, from now
     last_error: str = ""
     j_per_token: float | None = None
     kernels: dict | None = None
+
+    @property
+    def quarantined_until(self) -> float:
+        return time.monotonic() + self.quarantine_s if self.quarantine_s else 0.0
 
 
 def controller(policy_text: str, *modes: Mode, defined=()) -> Controller:
@@ -60,7 +65,7 @@ LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon
      "unavailable: no GPTQ checkpoint"),
     (Mode("gptq", available=False, loading=True), {}, Code.LOADING,
      "loading: its engine starts after the server began serving"),
-    (Mode("gptq", quarantine_left=4.2, last_error="CUDA OOM"), {}, Code.QUARANTINED,
+    (Mode("gptq", quarantine_s=4.2, last_error="CUDA OOM"), {}, Code.QUARANTINED,
      "quarantined for 4 s after: CUDA OOM"),
     (Mode("gptq", capabilities=frozenset()), {"greedy": 0, "needs": ("temperature",)}, Code.CAPABILITY,
      "cannot honour temperature"),
@@ -129,7 +134,7 @@ def test_while_the_policys_modes_load_a_request_goes_to_a_mode_that_passed_every
 
 
 def test_a_pinned_mode_is_refused_with_its_own_code():
-    ctl = controller(RULES, Mode("fp16", in_flight=4), Mode("gptq", quarantine_left=3.0, last_error="boom"))
+    ctl = controller(RULES, Mode("fp16", in_flight=4), Mode("gptq", quarantine_s=3.0, last_error="boom"))
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(), pinned="gptq")
     assert exc.value.code is Code.QUARANTINED and "quarantined for 3 s after: boom" in str(exc.value)
