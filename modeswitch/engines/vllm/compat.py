@@ -127,8 +127,10 @@ TARGETS: dict[str, Target] = {
     "engine_core": Target("vllm.v1.engine.core_client", "MPClient", None, ("shutdown",),
                           ("self.resources = BackgroundResources",)),
     "engine_manager": Target("vllm.v1.engine.core_client", "BackgroundResources", None, ("engine_manager",)),
+    # ... and plugin.fork_engine_processes: the manager starts them from the module's get_mp_context()'s Process
     "engine_processes": Target("vllm.v1.engine.utils", "CoreEngineProcManager", None, (),
-                               ("self.processes: list[BaseProcess] = []",)),
+                               ("self.processes: list[BaseProcess] = []", "context = get_mp_context()",
+                                "context.Process(")),
 }
 
 

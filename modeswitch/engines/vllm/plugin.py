@@ -20,7 +20,8 @@ torch's ``new_group`` ignores gloo options, so the only place to pass the device
 Only in engines ModeSwitch starts (``backends.vllm.start`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group).
 
-And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine.
+And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine; in the server, it has vLLM
+start engine-core processes from a fork server that imported vLLM once (:mod:`.forkserver`).
 
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
 neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
