@@ -36,7 +36,9 @@ import json, os, sys, threading, multiprocessing
 preloaded = "vllm.v1.engine.core" in sys.modules
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # as vLLM's engine core does
-report = dict(pid=os.getpid(), ppid=os.getppid(), preloaded=preloaded, late=os.environ.get("LATE"),
+from vllm.utils.system_utils import set_process_title
+set_process_title("EngineCore")  # as vLLM's engine core names itself
+report = dict(title=open("/proc/self/cmdline").read().split(chr(0))[0], pid=os.getpid(), ppid=os.getppid(), preloaded=preloaded, late=os.environ.get("LATE"),
               starter=multiprocessing.parent_process().pid, threads=[t.name for t in threading.enumerate()])
 print("PROBE " + json.dumps(report), flush=True)
 threading.Event().wait()
@@ -88,7 +90,7 @@ def gone_within(pids: list[int], seconds: float) -> bool:
 
 def test_an_engine_process_is_forked_preloaded_with_the_servers_environment_and_leaves_with_the_server():
     """Forked by the fork server (its parent), vLLM imported before its code ran, the variable the server set after
-    the fork server started seen, the plugin's parent watch running in it (threads do not survive a fork); a
+    the fork server started seen, named as vLLM names it (``ps``), the plugin's parent watch running in it (threads do not survive a fork); a
     variable read at import changed since then: that process is spawned, with one line saying why. SIGKILL to the
     server: both processes are gone within a second (the fork server, once they are, a few seconds later: it ends
 its interpreter with torch and vLLM loaded)."""
@@ -100,6 +102,7 @@ its interpreter with torch and vLLM loaded)."""
         assert forked["starter"] == me["pid"] and forked["preloaded"]
         assert forked["late"] == "set after the fork server started"
         assert "modeswitch-parent-watch" in forked["threads"]
+        assert forked["title"] == "VLLM::EngineCore"
         assert spawned["ppid"] == me["pid"] and not spawned["preloaded"]
         assert log.count("spawned, not forked") == 1 and "(OMP_NUM_THREADS)" in log
     finally:

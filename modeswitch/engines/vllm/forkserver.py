@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 #: plugin's modules (loaded, not registered: vLLM registers plugins in each engine process)
 PRELOAD = ["vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
            "modeswitch.engines.vllm.plugin"]
-#: variables read at import by what the fork server preloads (OpenMP, MKL, glibc's malloc, torch and inductor,
-#: vLLM's logging, the dynamic loader): a process whose values differ from the fork server's is spawned
-IMPORT_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "LD_", "TORCH", "PYTORCH_", "VLLM_LOGGING_",
+#: variables read at import by what the fork server preloads (OpenMP, MKL, glibc's malloc, torch's logging,
+#: dynamo's and inductor's configuration, vLLM's logging, the dynamic loader, Python): a process whose values differ
+#: from the fork server's is spawned. Not ``PYTORCH_*``: torch reads its allocator's configuration when the
+#: allocator starts, in the engine process (``PYTORCH_ALLOC_CONF`` was seen changing between engine starts)
+IMPORT_TIME = ("OMP_", "GOMP_", "KMP_", "MKL_", "MALLOC_", "LD_", "TORCH", "VLLM_LOGGING_",
                "VLLM_CONFIGURE_LOGGING", "PYTHON")
 
 #: the environment the fork server started with (None: not started); why it is not used (None: it is)
@@ -84,9 +86,12 @@ class EngineProcess(mp_context.ForkServerProcess):
         return popen_spawn_posix.Popen(process_obj)
 
     def run(self) -> None:
-        """In the new process, before its target: the starting thread's environment, CPUs and policy."""
-        os.environ.clear()
-        os.environ.update(self._environ)
+        """In the new process, before its target: the starting thread's environment, CPUs and policy. Only what
+        differs is changed: emptying the C environment first leaves setproctitle (vLLM's process titles, as ``ps``
+        shows them) unable to find the memory it writes to."""
+        for gone in os.environ.keys() - self._environ.keys():
+            del os.environ[gone]
+        os.environ.update({k: v for k, v in self._environ.items() if os.environ.get(k) != v})
         os.sched_setaffinity(0, self._affinity)
         try:
             policy, priority = self._policy
