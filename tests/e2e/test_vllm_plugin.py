@@ -89,7 +89,9 @@ def test_an_engine_modeswitch_starts_keeps_its_worker_in_its_engine_process():
 
 
 LOADER = """
-import json
+import json, os, sys
+if sys.argv[1:] == ["server"]:
+    os.environ["MODESWITCH_SERVER_PID"] = str(os.getpid())
 from vllm.plugins import load_general_plugins
 from modeswitch.engines.vllm import compat
 load_general_plugins()  # what every vLLM process does, vLLM's own server included
@@ -100,16 +102,20 @@ print(json.dumps(sorted(compat._replaced)))
 def test_vllms_own_processes_run_unpatched_and_modeswitchs_are_patched():
     """vLLM's plugin loader finds ModeSwitch's entry point in every process of the environment: in one that is not
     a ModeSwitch server or engine (vLLM's own server, started from the same environment) it replaces nothing; in
-    an engine process it replaces every target but the gloo group (only with ``ENV``=1)."""
+    an engine process it replaces every target but the gloo group (only with ``ENV``=1) and the context engine
+    processes start from, which only the server replaces."""
 
-    def replaced(env):
-        out = subprocess.run([sys.executable, "-c", LOADER], capture_output=True, text=True, timeout=300, env=env)
+    def replaced(env, *argv):
+        out = subprocess.run([sys.executable, "-c", LOADER, *argv], capture_output=True, text=True, timeout=300,
+                             env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
+    functions = {t.where for t in compat.TARGETS.values() if t.params is not None}  # gloo's group is a class
+    context = compat.TARGETS["engine_mp_context"].where
     assert replaced({k: v for k, v in os.environ.items() if k not in (SERVER_ENV, ENV)}) == []
-    assert replaced({k: v for k, v in ENGINE_ENV.items() if k != ENV}) == sorted(
-        t.where for t in compat.TARGETS.values() if t.params is not None)  # the functions (gloo's group is a class)
+    assert replaced({k: v for k, v in ENGINE_ENV.items() if k != ENV}) == sorted(functions - {context})
+    assert context in replaced({k: v for k, v in os.environ.items() if k not in (SERVER_ENV, ENV)}, "server")
 
 
 REFUSED = """

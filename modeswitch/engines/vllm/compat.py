@@ -94,7 +94,7 @@ class Target:
         return None
 
 
-#: every symbol replaced (first seven) or read privately, by the name the code uses for it
+#: every symbol replaced (first eight, and the gloo group) or read privately, by the name the code uses for it
 TARGETS: dict[str, Target] = {
     # plugin.keep_worker_in_engine_process: the CPU platform's switch to a worker process, undone per engine
     "cpu_platform_config": Target("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
@@ -116,6 +116,8 @@ TARGETS: dict[str, Target] = {
     # drafting.fix_empty_drafts: the rejection sampler's constraints on drafted positions, skipped when none are
     "sampling_constraints": Target("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints",
                                    ("logits", "cu_num_draft_tokens", "sampling_metadata")),
+    # plugin.fork_engine_processes: the context vLLM's engine-core process manager starts its processes from
+    "engine_mp_context": Target("vllm.v1.engine.utils", "get_mp_context", ()),
     # plugin.share_gloo_device: torch's gloo group, built with private options naming its devices
     "gloo_group": Target("torch.distributed.distributed_c10d", "ProcessGroupGloo", None,
                          ("_Options", "create_device", "create_default_device"), library="torch"),
@@ -125,8 +127,10 @@ TARGETS: dict[str, Target] = {
     "engine_core": Target("vllm.v1.engine.core_client", "MPClient", None, ("shutdown",),
                           ("self.resources = BackgroundResources",)),
     "engine_manager": Target("vllm.v1.engine.core_client", "BackgroundResources", None, ("engine_manager",)),
+    # ... and plugin.fork_engine_processes: the manager starts them from the module's get_mp_context()'s Process
     "engine_processes": Target("vllm.v1.engine.utils", "CoreEngineProcManager", None, (),
-                               ("self.processes: list[BaseProcess] = []",)),
+                               ("self.processes: list[BaseProcess] = []", "context = get_mp_context()",
+                                "context.Process(")),
 }
 
 

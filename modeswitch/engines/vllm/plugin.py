@@ -20,7 +20,8 @@ torch's ``new_group`` ignores gloo options, so the only place to pass the device
 Only in engines ModeSwitch starts (``backends.vllm.start`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group).
 
-And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine.
+And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine; in the server, it has vLLM
+start engine-core processes from a fork server that imported vLLM once (:mod:`.forkserver`).
 
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
 neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
@@ -33,7 +34,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import compat, drafting
+from . import compat, drafting, forkserver
 
 #: Set to "1" in the environment of the engines that share one gloo device.
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
@@ -63,6 +64,8 @@ def register() -> None:
     if in_engine_process():
         drafting.fix_cpu_expand()
         drafting.fix_empty_drafts()
+    else:
+        fork_engine_processes()
     leave_with_parent()
     from ... import logs
     from ...device import keep_heap_trimmed
@@ -92,25 +95,50 @@ def in_engine_process() -> bool:
 
 
 def leave_with_parent() -> None:
-    """In an engine process of a ModeSwitch server (not the server itself): exit once its parent is gone. An
-    engine-core process whose server was killed (SIGKILL: nothing stops its engines) would otherwise keep its
-    memory and CPUs for good, and a worker whose engine core died likewise. A thread polls the parent pid: the
-    kernel's parent-death signal would fire when the *thread* that started the engine ends, and a staged start
-    starts engines from threads that end. Idempotent."""
+    """In an engine process of a ModeSwitch server (not the server itself): exit once the process that started it
+    is gone. An engine-core process whose server was killed (SIGKILL: nothing stops its engines) would otherwise
+    keep its memory and CPUs for good, and a worker whose engine core died likewise. A thread waits on
+    ``multiprocessing``'s parent sentinel (a pipe the starting process holds, closed by the kernel when it dies):
+    the OS parent of an engine forked by :mod:`.forkserver` is the fork server, which lives as long as any engine
+    does, and the kernel's parent-death signal would fire when the *thread* that started the engine ends, and a
+    staged start starts engines from threads that end. A process not started by ``multiprocessing`` (vLLM runs
+    some of its checks in a subprocess) polls its parent pid instead. Idempotent."""
+    import multiprocessing
     import threading
 
     if not in_engine_process() or any(t.name == "modeswitch-parent-watch" for t in threading.enumerate()):
         return
-    parent = os.getppid()
+    starter, parent = multiprocessing.parent_process(), os.getppid()
 
     def watch() -> None:
         import time
+        from multiprocessing.connection import wait
 
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
+        if starter is not None:
+            wait([starter.sentinel])
+        else:
+            while os.getppid() == parent:
+                time.sleep(PARENT_POLL_S)
         os._exit(1)  # no clean-up to wait for: what it held goes with the process
 
     threading.Thread(target=watch, name="modeswitch-parent-watch", daemon=True).start()
+
+
+def fork_engine_processes() -> None:
+    """In the server: vLLM's engine-core processes forked from a fork server that preloaded vLLM
+    (:mod:`.forkserver`), where vLLM's CPU platform would spawn each one; vLLM's own context elsewhere, and where
+    the fork server cannot be used. Idempotent."""
+    get = compat.original("engine_mp_context")
+    if getattr(get, "forks_engines", False):
+        return
+
+    def get_mp_context():
+        from vllm.platforms import current_platform
+
+        return (current_platform.is_cpu() and forkserver.context()) or get()
+
+    get_mp_context.forks_engines = True
+    compat.replace("engine_mp_context", get_mp_context)
 
 
 def engine_config(cpus: list[int]) -> dict[str, str]:
