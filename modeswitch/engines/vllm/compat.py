@@ -123,6 +123,9 @@ TARGETS: dict[str, Target] = {
                          ("_Options", "create_device", "create_default_device"), library="torch"),
     "gloo_options": Target("torch.distributed.distributed_c10d", "ProcessGroupGloo._Options", None,
                            ("_devices", "_threads", "_timeout"), library="torch"),
+    # drafting.draft_per_request: the tokens a step computed, what its drafting budget measures steps by (read)
+    "scheduler_output": Target("vllm.v1.core.sched.output", "SchedulerOutput", None, (),
+                               ("total_num_scheduled_tokens: int",)),
     # engine_processes: LLMEngine.engine_core.resources.engine_manager.processes (read, see below)
     "engine_core": Target("vllm.v1.engine.core_client", "MPClient", None, ("shutdown",),
                           ("self.resources = BackgroundResources",)),

@@ -2,6 +2,7 @@
 
 A request's ``extra_args`` bound the tokens drafted for it a step (``DRAFT_TOKENS_KEY``; 0: none), so the
 speculative and plain modes on one set of weights share one engine: its weights, KV pool, prefix cache and batch.
+Within its bound a request drafts as many tokens as the engine measures to pay this step (:mod:`.draft_budget`).
 vLLM drafts for every request of an engine started with a speculative config; a second engine only to speculate
 would hold another process, KV pool and copy of the weights.
 
@@ -29,9 +30,12 @@ from typing import Any, Callable
 import torch
 
 from . import compat
+from .draft_budget import DraftBudget
 
 #: the key of a request's ``extra_args`` that bounds the tokens drafted for it a step (0: none)
 DRAFT_TOKENS_KEY = "modeswitch_draft_tokens"
+#: the model runner's attribute holding its :class:`~.draft_budget.DraftBudget`
+BUDGET_ATTR = "_modeswitch_draft_budget"
 
 
 def draft_limit(sampling_params) -> int | None:
@@ -85,9 +89,13 @@ def draft_per_request(modeswitch_engine: Callable[[object], bool]) -> None:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if not _drafts_ngrams(self.speculative_config):
             return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        limits = [draft_limit(self.requests[rid].sampling_params) for rid in self.input_batch.req_ids]
-        return bounded_drafts(lambda rows: propose(self, scheduler_output, rows, *args, **kwargs), limits,
-                              sampled_rows(sampled_token_ids))
+        ids, sampled = list(self.input_batch.req_ids), sampled_rows(sampled_token_ids)
+        budget = self.__dict__.setdefault(BUDGET_ATTR, DraftBudget())
+        budget.step(ids, sampled, scheduler_output.total_num_scheduled_tokens)
+        limits = budget.limits(ids, [draft_limit(self.requests[rid].sampling_params) for rid in ids])
+        drafts = bounded_drafts(lambda rows: propose(self, scheduler_output, rows, *args, **kwargs), limits, sampled)
+        budget.proposing(ids, drafts)
+        return drafts
 
     build = compat.original("build_logitsprocs")
 
