@@ -121,3 +121,5 @@ def test_vllms_own_server_from_the_same_environment_still_spawns_its_engine_proc
     finally:
         server.kill()
         server.wait()
+        if psutil.pid_exists(report["pid"]):  # nothing makes vLLM's own processes leave with their server
+            psutil.Process(report["pid"]).kill()
