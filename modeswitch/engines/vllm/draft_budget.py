@@ -38,7 +38,10 @@ MIN_STEPS = 16
 
 @dataclass
 class StepLine:
-    """A running least-squares line of a step's seconds against the tokens it computed (decaying sums)."""
+    """A running least-squares line of a step's seconds against the tokens it computed, from decaying sums of the
+    moments. Not the learned policy's recursive least squares (``controller.online``): from the moments it can tell
+    that the slope is not known yet (every step the same size), where the recursive fit's prior would make one up
+    and charge the whole step to its tokens."""
 
     n: float = 0.0
     sx: float = 0.0
