@@ -52,3 +52,41 @@ def test_the_policy_is_read_from_the_load_config():
     load = LoadConfig(crash_loop_deaths=2, crash_loop_window_s=30, crash_loop_backoff_s=5, crash_loop_backoff_max_s=9)
     assert RestartPolicy.of(load) == RestartPolicy(2, 30, 5, 9)
     assert RestartPolicy.of(LoadConfig()) == RestartPolicy()
+
+
+class Runner:
+    """What a served vLLM engine reads of its runner (no vLLM process: ``launch`` is replaced)."""
+
+    def __init__(self, key: str, engine_args: dict) -> None:
+        self.engine_args = engine_args
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def death(self) -> str:
+        return "its process exited"
+
+
+def test_a_compiled_engine_that_died_comes_back_eager_and_is_compiled_again_behind(monkeypatch):
+    """Loading and warming up compiled graphs is most of a compiled engine's restart: where the server compiles,
+    an engine serves eager at once, its modes' cards say so, and it is handed over to be compiled behind the
+    requests, also when it dies again before that is done; where the server runs eager, it comes back as it was."""
+    import threading
+
+    from modeswitch.backends.vllm import served as served_module
+
+    monkeypatch.setattr(served_module, "launch", Runner)
+    behind = []
+    compiled = served_module.ServedEngine("fp16", Runner("fp16", {"enforce_eager": False, "model": "m"}), ["fp16"],
+                                          threading.Event(), behind.append)
+    card = {}
+    compiled.cards.append(card)
+    assert compiled.resume()
+    assert compiled.runner.engine_args == {"enforce_eager": True, "model": "m"} and card["decode"] == "eager"
+    assert behind == [compiled]
+    assert compiled.fault(stall_s=10) == "vLLM engine fp16 died: its process exited"  # again, still eager
+    assert compiled.resume() and compiled.runner.engine_args["enforce_eager"] and behind == [compiled, compiled]
+
+    eager = served_module.ServedEngine("int8", Runner("int8", {"enforce_eager": True}), ["int8"], threading.Event())
+    assert eager.resume() and eager.runner.engine_args == {"enforce_eager": True} and len(behind) == 2

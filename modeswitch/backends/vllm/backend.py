@@ -9,6 +9,7 @@ shared with the transformers backend).
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,8 @@ from ..supervision import Supervisor
 from .layout import EngineLayout
 from .served import ServedEngine, decode
 from .start import EngineStarts
+
+log = logging.getLogger(__name__)
 
 
 class VllmBackend:
@@ -45,6 +48,11 @@ class VllmBackend:
         served = self.engines.get(key)
         return None if served is None or self.supervisor.down(key) else served
 
+    def _recompile(self, served: ServedEngine) -> None:
+        """An engine that died serves again eager: compiled again behind its requests."""
+        self.starts.compile_behind(served, served.key, lambda line: log.info("%s", line),
+                                   "it came back eager after a restart")
+
     def open(self, progress: Progress) -> ModelInfo:
         info = self.checkpoint.open()  # missing weights are said first: the check below imports vLLM's workers
         vllm_compat.require()  # an untested vLLM is refused here, with one line, before any engine starts
@@ -61,7 +69,8 @@ class VllmBackend:
         runner = self.starts.runner(key, plan, progress)
         served = self.engines.get(key)
         if served is None:
-            served = self.engines[key] = ServedEngine(key, runner, plan.users[key], self.supervisor.closing)
+            served = self.engines[key] = ServedEngine(key, runner, plan.users[key], self.supervisor.closing,
+                                                      self._recompile if self.starts.compiled else None)
         runner = served.runner  # compiled behind or started again since
         details: dict[str, Any] = {"vllm_engine": key, "decode": decode(runner),
                                    "kernels": {**runner.kernels, "engine": f"vllm:{key}"}}

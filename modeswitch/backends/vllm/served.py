@@ -8,7 +8,7 @@ down and comes back together).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ...engines.vllm.engine import VllmFront, VllmRunner
 from .start import launch
@@ -17,8 +17,11 @@ from .start import launch
 class ServedEngine:
     """An engine key's runner, fronts and cards; what the supervisor watches (:class:`..supervision.Supervised`)."""
 
-    def __init__(self, key: str, runner: VllmRunner, modes: list[str], closing: threading.Event) -> None:
-        """``closing``: set when the server stops (an engine that comes up after it is stopped at once)."""
+    def __init__(self, key: str, runner: VllmRunner, modes: list[str], closing: threading.Event,
+                 compile_behind: Callable[["ServedEngine"], None] | None = None) -> None:
+        """``closing``: set when the server stops (an engine that comes up after it is stopped at once).
+        ``compile_behind(served)``: starts it again compiled behind the requests (``.start``), after it came back
+        eager from a death; given where the server compiles its engines (None: it comes back as it was)."""
         self.key = key
         self.label = f"vLLM engine {key}"
         self.runner = runner
@@ -31,6 +34,7 @@ class ServedEngine:
         #: the runner :meth:`fault` found dead: the one abandoned and started again, should the runner have been
         #: swapped (compiled behind) meanwhile
         self._dead = runner
+        self._compile_behind = compile_behind
 
     def add(self, front: VllmFront, card: dict[str, Any]) -> None:
         self.fronts.append(front)
@@ -62,12 +66,20 @@ class ServedEngine:
         self._dead.abandon(reason)
 
     def resume(self) -> bool:
-        """Start it again with the dead runner's arguments (at the normal policy: its modes wait for it)."""
-        runner = launch(self.key, self._dead.engine_args)
+        """Start it again with the dead runner's arguments (at the normal policy: its modes wait for it). Where the
+        server compiles its engines it comes back eager, then is compiled again behind the requests: on a CPU,
+        loading the compiled graphs from Inductor's cache and warming them up is most of a compiled restart (about
+        21 of 26 s here). Whether the runner that died was still eager (its compile behind not done) or not."""
+        args = self._dead.engine_args
+        if self._compile_behind is not None:
+            args = {**args, "enforce_eager": True}
+        runner = launch(self.key, args)
         if self._closing.is_set():  # the server stopped while it started
             runner.close()
             return False
         self.serve_from(runner)
+        if self._compile_behind is not None:
+            self._compile_behind(self)
         return True
 
     def report_health(self, down: str | None, restarting: bool = False) -> None:

@@ -175,24 +175,32 @@ class EngineStarts:
             self._settled += 1
             ready = self._eager_first is not None and self._plan is not None and \
                 self._settled == len(self.layout.engines(self._plan))
-        if ready:
-            threading.Thread(target=self._compile_behind, args=(self._eager_first, progress),
-                             name="vllm-compile-behind", daemon=True).start()
+        if ready and (served := self.serving(self._eager_first)) is not None:
+            self.compile_behind(served, self._eager_first, progress,
+                                "it started eager: its compiled graphs were not built here yet")
 
-    def _compile_behind(self, key: str, progress: Progress) -> None:
-        """Start engine ``key`` again compiled (under SCHED_IDLE where a staged start lowers its engines), move
-        its modes onto it, and stop the eager one once the requests on it are done. It fills Inductor's cache,
-        so the next start compiles nothing. Meanwhile the engine is held twice (its weights, KV and runtime)."""
-        served = self.serving(key)
-        if served is None or self.closing.is_set():
+    def compile_behind(self, served: Swappable, key: str, progress: Progress, why: str) -> None:
+        """On a thread of its own: start engine ``key`` again compiled (under SCHED_IDLE, as a staged start's
+        later engines, unless ``--yield-start-s 0``), move its modes onto it, and stop the eager one once the
+        requests on it are done.
+        A first start that had no compiled graphs here fills Inductor's cache, so the next start compiles
+        nothing; an engine that died comes back eager at once and is compiled again so (``.served``). Meanwhile
+        the engine is held twice (its weights, KV and runtime)."""
+        threading.Thread(target=self._compile_behind, args=(served, key, progress, why),
+                         name=f"vllm-compile-behind-{key}", daemon=True).start()
+
+    def _compile_behind(self, served: Swappable, key: str, progress: Progress, why: str) -> None:
+        if self.closing.is_set():
             return
         old = served.runner
-        progress(f"vLLM engine {key}: compiling it behind the requests served (it started eager: its compiled "
-                 "graphs were not built here yet)")
+        progress(f"vLLM engine {key}: compiling it behind the requests served ({why})")
         started = time.perf_counter()
         args = {**old.engine_args, "enforce_eager": False}
+        background = self._background  # a staged start's; after a restart, one of its own
+        if background is None and self.yield_start_s > 0:
+            background = BackgroundStarts(self.yield_start_s)
         try:
-            new = launch(key, args, self._background)
+            new = launch(key, args, background)
         except Exception as exc:  # it keeps serving eager
             log.warning("vLLM engine %s: its compiled start failed (%s); it serves eager", key, exc)
             return
@@ -201,7 +209,8 @@ class EngineStarts:
             new.close()
             return
         served.serve_from(new)
-        self._eager_first = None
+        if key == self._eager_first:
+            self._eager_first = None
         progress(f"vLLM engine {key}: compiled in {time.perf_counter() - started:.0f} s; its modes serve from it")
         while not old.idle() and not self.closing.wait(0.5):
             pass
