@@ -2,10 +2,10 @@
 
 A gate passes a mode or stops it with a :class:`Verdict`. The controller applies them all before the policy
 chooses, so a policy can never route around one: each gate in turn over the modes the gates before it passed (a
-gate with nothing to ask of a request passes them all at once, as the memory gate does with no memory pressure). The gates that depend on the policy (quality, memory,
-energy) read it from the :class:`Cycle`, the state of one request's filtering: the policy and quality
-report as they were when the request was decided, so a reload applies to the next request and never to
-half of this one's modes.
+gate with nothing to ask of a request passes them all at once, as the memory gate does with no memory pressure).
+The gates that depend on the policy (quality, memory, energy) read it from the :class:`Cycle`, the state of one
+request's filtering: the policy and quality report as they were when the request was decided, so a reload applies
+to the next request and never to half of this one's modes.
 """
 
 from __future__ import annotations
@@ -102,10 +102,7 @@ class CapabilityGate(_EachMode):
         return _EachMode.admit(self, modes, cycle, filtered)
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        needs = cycle.features.needs
-        if not needs:
-            return None
-        missing = frozenset(needs) - mode.capabilities
+        missing = frozenset(cycle.features.needs) - mode.capabilities
         if not missing:
             return None
         if missing not in self._verdicts:  # a handful of distinct sets: built once each
@@ -195,7 +192,7 @@ class MemoryGate(_EachMode):
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         floor, f = cycle.policy.memory.min_headroom, cycle.features
-        if f.memory_headroom >= floor or mode.preallocated_kv:
+        if mode.preallocated_kv:
             return None
         need = self.kv_bytes_per_token * (f.prompt_tokens + f.max_tokens)
         return Verdict(Code.MEMORY, f"memory pressure: {f.memory_headroom:.1%} free < {floor:.1%}, and this mode "

@@ -234,8 +234,8 @@ def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str
         predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
                      if name in idle and (p := predict(name)) is not None]
     if not predicted:
-        return Choice(admitted[0], lambda: f"{explain.why()}{explain.via} -> {admitted[0]} (no mode measured yet: the list's "
-                                           f"order){explain.tail()}", rule)
+        return Choice(admitted[0], lambda: f"{explain.why()}{explain.via} -> {admitted[0]} (no mode measured yet: "
+                                           f"the list's order){explain.tail()}", rule)
     best = min(predicted, key=lambda t: t[:2])
     ranked = _Ranked(best, predicted, admitted, idle, fallback, explain)
     return Choice(best[2], ranked.reason, rule, ranked.prediction)
@@ -269,9 +269,11 @@ class _Ranked:
             text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
         left_alone = [name for name in self.admitted if name in self.idle]
         if self.fallback:
-            text += "; its engine is slower at every load than another on its cores, no other mode admitted and measured"
+            text += ("; its engine is slower at every load than another on its cores, no other mode admitted and "
+                     "measured")
         elif left_alone:
-            text += "; left alone, their engine slower at every load than another on its cores: " + ", ".join(left_alone)
+            text += ("; left alone, their engine slower at every load than another on its cores: "
+                     + ", ".join(left_alone))
         return text + self.explain.tail()
 
 
