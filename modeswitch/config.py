@@ -86,7 +86,8 @@ class LoadConfig:
     crash_loop_backoff_s: float = option(120.0, "seconds a crash-looping engine waits before it is started again, "
                                          "doubling with each crash loop in a row up to --crash-loop-backoff-max-s")
     crash_loop_backoff_max_s: float = option(1800.0, "the longest wait of a crash-looping engine")
-    yield_start_s: float = option(300.0, "with a staged start on vLLM engines: seconds the engines starting in the "
+    yield_start_s: float = option(300.0, "with a staged start on vLLM engines, and for an engine compiled again "
+                                  "after it came back eager from a death: seconds the engines starting in the "
                                   "background yield the CPU to the requests served (Linux SCHED_IDLE, where the "
                                   "process may return from it) before competing for it; 0: they compete from the start")
 
