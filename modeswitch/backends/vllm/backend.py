@@ -48,6 +48,13 @@ class VllmBackend:
         served = self.engines.get(key)
         return None if served is None or self.supervisor.down(key) else served
 
+    @property
+    def _eager_comeback(self) -> bool:
+        """Whether an engine that dies comes back eager and is compiled behind: where the server compiles, on a CPU
+        (loading Inductor's compiled graphs is most of a restart there; on a GPU a second copy of the engine would
+        not fit beside the first in vLLM's memory check, so it comes back as it was)."""
+        return self.starts.compiled and self.checkpoint.device.type == "cpu"
+
     def _recompile(self, served: ServedEngine) -> None:
         """An engine that died serves again eager: compiled again behind its requests."""
         self.starts.compile_behind(served, served.key, lambda line: log.info("%s", line),
@@ -70,7 +77,7 @@ class VllmBackend:
         served = self.engines.get(key)
         if served is None:
             served = self.engines[key] = ServedEngine(key, runner, plan.users[key], self.supervisor.closing,
-                                                      self._recompile if self.starts.compiled else None)
+                                                      self._recompile if self._eager_comeback else None)
         runner = served.runner  # compiled behind or started again since
         details: dict[str, Any] = {"vllm_engine": key, "decode": decode(runner),
                                    "kernels": {**runner.kernels, "engine": f"vllm:{key}"}}
