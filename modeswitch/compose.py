@@ -97,7 +97,8 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if not later:
         progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
-    controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs)
+    controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs,
+                            standing=registry.standing)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:
         if not config.gate_report:  # the shipped report, with the runs this machine scored itself (evals/behind.py);

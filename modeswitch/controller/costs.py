@@ -174,6 +174,8 @@ class CostModel:
         self._near = {lane: tuple(o for o, c in cpus.items() if mine is None or c is None or mine & c)
                       for lane, mine in cpus.items()}
         self._engine_lane, self._engine_stream = {}, {}
+        #: mode -> (its lane, its engine): where a request in flight on it counts
+        self._places = {mode: (binding.lanes.get(mode, ""), engine) for mode, engine in binding.engines.items()}
         #: mode -> (stream, lane, engine, slots, drafting): what predicting it reads, in one lookup
         self._modes = {mode: (stream, binding.lanes.get(mode, ""), binding.engines.get(mode, mode),
                               binding.slots.get(mode, 1) or 1, mode in binding.drafting)
@@ -309,80 +311,88 @@ class CostModel:
         return self.predictor(features, tokens_per_step)(mode)
 
     def predictor(self, features: Features, tokens_per_step: float = 1.0) -> Predict:
-        """:meth:`predict` for one request, the loads on every lane and engine counted once for all its modes
-        (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
-        b = self.binding
-        lanes, engines, streams, near, modes = b.lanes, b.engines, self._streams, self._near, self._modes
+        """:meth:`predict` for one request: the loads on every lane and engine counted once for all its modes, and
+        what a stream's prediction reads of them (its step at the load it would meet, its wait, the prompt tokens
+        queued ahead of it) worked out once for all the modes on it, which then differ only in the prompt they
+        have left to compute (a decision predicts each mode the gates pass: this keeps it within microseconds)."""
+        places, streams, near, modes = self._places, self._streams, self._near, self._modes
+        engine_lane, engine_stream = self._engine_lane, self._engine_stream
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
         for m, n in features.in_flight_by_mode.items():
             if n:
-                lane, engine = lanes.get(m, ""), engines.get(m, m)
+                lane, engine = places.get(m) or ("", m)
                 on_lane[lane] = on_lane.get(lane, 0) + n
                 on_engine[engine] = on_engine.get(engine, 0) + n
         queued: dict[str, int] = {}  # lane -> prompt tokens its requests have not computed yet
         for m, n in features.prefilling_by_mode.items():
             if n:
-                lane = lanes.get(m, "")
+                lane = places[m][0] if m in places else ""
                 queued[lane] = queued.get(lane, 0) + n
-        totals: dict[str, tuple[int, int]] = {}  # lane -> requests, and prompt tokens not computed, on lanes near it
-        # each busy engine's step at its load, read once: what the engines beside it wait for each step
-        busy: dict[str, tuple[str, float]] = {}  # engine -> (its lane, seconds per step now)
-        for engine, n in on_engine.items():
-            costs = streams.get(self._engine_stream.get(engine, engine))
-            busy[engine] = (self._engine_lane.get(engine, ""), (costs.step.at(n) or 0.0) if costs is not None else 0.0)
-        turns: dict[str, float] = {}  # lane -> one step of every busy engine near it
-
-        def near_lane(lane: str) -> tuple[int, int]:
-            if lane not in totals:
-                close = near.get(lane, ("",))
-                totals[lane] = (sum(on_lane.get(x, 0) for x in close), sum(queued.get(x, 0) for x in close))
-            return totals[lane]
-
-        def beside(engine: str, lane: str) -> float:
-            """Seconds a step of ``engine`` waits for the other busy engines on its lane: one step each (engines
-            sharing cores take turns; an engine not measured yet is counted at nothing)."""
-            close = near.get(lane, ("",))
-            if lane not in turns:
-                turns[lane] = sum(step for other_lane, step in busy.values() if other_lane in close)
-            own_lane, own = busy.get(engine, ("", 0.0))
-            return turns[lane] - own if engine in busy and own_lane in close else turns[lane]
-
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
+        drafted_steps = (max_tokens - 1) / tokens_per_step if tokens_per_step > 1 else max_tokens - 1
+        #: lane -> (requests, prompt tokens not computed, one step of each busy engine) on the lanes near it
+        near_lanes: dict[str, tuple[int, int, float]] = {}
+        #: stream -> what its modes' predictions share (None: not measured)
+        shared: dict[str, tuple | None] = {}
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
         # on one vLLM engine): computed once
         known: dict[tuple[str, int], Prediction | None] = {}
 
-        def predict(mode: str) -> Prediction | None:
-            stream, lane, engine, slots, drafting = modes.get(mode) or ("", "", mode, 1, False)
-            unmatched = max(prompt - held.get(mode, 0), 1)
-            key = (stream, unmatched)
-            if key not in known:
-                known[key] = _predict(stream, lane, engine, slots, drafting, unmatched)
-            return known[key]
+        def busy_step(engine: str) -> float:
+            """A busy engine's step at its load, on its own curve (its plain stream's; 0 where not measured)."""
+            costs = streams.get(engine_stream.get(engine, engine))
+            return (costs.step.at(on_engine[engine]) or 0.0) if costs is not None else 0.0
 
-        def _predict(stream: str, lane: str, engine: str, slots: int, drafting: bool,
-                     unmatched: int) -> Prediction | None:
+        def lane_state(lane: str) -> tuple[int, int, float]:
+            state = near_lanes.get(lane)
+            if state is None:
+                close, load, ahead, turn = near.get(lane, ("",)), 0, 0, 0.0
+                for x in close:
+                    load += on_lane.get(x, 0)
+                    ahead += queued.get(x, 0)
+                if load:  # engines sharing cores take turns: a step waits for one step of each other busy one
+                    for engine in on_engine:
+                        if engine_lane.get(engine, "") in close:
+                            turn += busy_step(engine)
+                state = near_lanes[lane] = (load, ahead, turn)
+            return state
+
+        def share(stream: str, lane: str, engine: str, slots: int, drafting: bool) -> tuple | None:
             costs = streams.get(stream)
             if costs is None or not costs.measured:
                 return None
-            step_at, prefill_at = costs.step.at, costs.prefill.at
-            lane_load, ahead = near_lane(lane)
+            step_at = costs.step.at
+            lane_load, ahead, turn = lane_state(lane)
             mine = on_engine.get(engine, 0)
             own_step = step_at(mine + 1)
-            step = own_step + beside(engine, lane) if lane_load > mine else own_step
-            prefill = prefill_at(ahead + unmatched)
-            steps = (max_tokens - 1) / tokens_per_step if drafting and tokens_per_step > 1 else max_tokens - 1
-            decode = steps * step
+            # the other busy engines' turns (an engine not measured yet is counted at nothing)
+            step = own_step + (turn - busy_step(engine) if mine else turn) if lane_load > mine else own_step
+            steps = drafted_steps if drafting else max_tokens - 1
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
-            if lane_load:  # its prompt stalls every request there; each of its steps lengthens theirs
-                own_prefill = prefill - prefill_at(ahead) if ahead else prefill
-                growth = own_step - step_at(mine) if mine else own_step
-                delay = lane_load * (max(own_prefill, 0.0) + steps * max(growth, 0.0))
-            else:
-                delay = 0.0
-            return Prediction(wait + prefill + decode, delay, wait, prefill, decode)
+            growth = max(own_step - step_at(mine), 0.0) if mine else own_step
+            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, growth,
+                    costs.prefill.at(ahead) if ahead and lane_load else 0.0)
+
+        def predict(mode: str) -> Prediction | None:
+            place = modes.get(mode) or ("", "", mode, 1, False)
+            stream = place[0]
+            key = (stream, max(prompt - held.get(mode, 0), 1))
+            if key in known:
+                return known[key]
+            if stream not in shared:
+                shared[stream] = share(*place)
+            terms = shared[stream]
+            if terms is None:
+                known[key] = None
+                return None
+            prefill_at, lane_load, ahead, steps, decode, wait, growth, prefill_ahead = terms
+            prefill = prefill_at(ahead + key[1])
+            # its prompt stalls every request on the lane; each of its steps lengthens theirs
+            delay = lane_load * (max(prefill - prefill_ahead, 0.0) + steps * growth) if lane_load else 0.0
+            known[key] = prediction = Prediction(wait + prefill + decode, delay, wait, prefill, decode)
+            return prediction
 
         predict.idle = self._idle_modes  # type: ignore[attr-defined]
         return predict

@@ -93,12 +93,16 @@ def _explained(policy: str, choice: Choice) -> str:
 
 class Controller:
     def __init__(self, modes: Mapping[str, ModeView], policy: Policy, kv_bytes_per_token: int = 0,
-                 defined_modes: Sequence[str] = (), costs: CostModel | None = None) -> None:
+                 defined_modes: Sequence[str] = (), costs: CostModel | None = None,
+                 standing: Callable[[], int] | None = None) -> None:
         """``modes``: the resident modes by name, read at every decision (the registry's live views).
         ``kv_bytes_per_token``: the model's KV size, for the memory gate's estimate of what a request needs.
         ``defined_modes``: every mode a policy may name, loaded or not (``--modes`` loads a subset).
         ``costs``: what each mode's engine measured, from which a policy may order modes by predicted time
-        (default: an empty model, kept nowhere)."""
+        (default: an empty model, kept nowhere).
+        ``standing``: a count that moves whenever a mode's standing changes (available, quarantine, engine, card:
+        the registry's ``Standing``); with it the standing gates' verdicts are kept between decisions until it
+        moves (a decision then asks only the gates that read the request), without it they are asked every time."""
         self.modes = modes
         self.policy = policy
         self.costs = costs if costs is not None else CostModel()
@@ -108,6 +112,12 @@ class Controller:
         #: same file name there is read with the report, its runs the newest
         self.quality_cache: Path | None = None
         self.gates = gates(kv_bytes_per_token)
+        self._standing_gates = tuple(g for g in self.gates if g.standing)
+        self._request_gates = tuple(g for g in self.gates if not g.standing)
+        self._standing_count = standing
+        #: the standing gates' verdicts: (the count, policy, report and task they were asked under, the modes they
+        #: passed, the verdicts with the modes not loaded), replaced whole
+        self._standing: tuple = ()
         self.defined_modes = tuple(dict.fromkeys([*defined_modes, *modes]))
         self._not_loaded = {m: _NOT_LOADED for m in self.defined_modes if m not in modes}
         self._observers: list[Observer] = []
@@ -136,15 +146,35 @@ class Controller:
         return self._filter(Cycle(features, self.policy, self.quality_report), exclude)
 
     def _filter(self, cycle: Cycle, exclude: frozenset[str]) -> dict[str, Verdict]:
-        filtered: dict[str, Verdict] = dict(self._not_loaded)
-        if exclude:
+        if exclude:  # a retry: everything asked afresh
+            filtered: dict[str, Verdict] = dict(self._not_loaded)
             filtered.update((name, _EXCLUDED) for name in exclude if name in self.modes)
             left = [mode for name, mode in self.modes.items() if name not in exclude]
-        else:
-            left = list(self.modes.values())
-        for gate in self.gates:
+            for gate in self.gates:
+                left = gate.admit(left, cycle, filtered)
+            return filtered
+        left, standing = self._standing_verdicts(cycle)
+        filtered = dict(standing)
+        for gate in self._request_gates:
             left = gate.admit(left, cycle, filtered)
         return filtered
+
+    def _standing_verdicts(self, cycle: Cycle) -> tuple[list[ModeView], dict[str, Verdict]]:
+        """The modes the standing gates pass, and their verdicts on the rest (with the modes not loaded): kept from
+        an earlier decision while the standing count, the policy, the report and the task are the ones they were
+        asked under. Not kept while a mode is quarantined (its verdict ends with the clock, and says how soon)."""
+        count = self._standing_count() if self._standing_count is not None else None
+        kept = self._standing
+        if (count is not None and kept and kept[0] == count and kept[1] is cycle.policy
+                and kept[2] is cycle.quality_report and kept[3] == cycle.features.task):
+            return kept[4], kept[5]
+        filtered: dict[str, Verdict] = dict(self._not_loaded)
+        left = list(self.modes.values())
+        for gate in self._standing_gates:
+            left = gate.admit(left, cycle, filtered)
+        if count is not None and not any(v.code is Code.QUARANTINED for v in filtered.values()):
+            self._standing = (count, cycle.policy, cycle.quality_report, cycle.features.task, left, filtered)
+        return left, filtered
 
     def decide(self, features: Features, pinned: str | None = None, exclude: frozenset[str] = frozenset()) -> Decision:
         start, cpu = time.perf_counter(), time.thread_time_ns()

@@ -6,6 +6,11 @@ gate with nothing to ask of a request passes them all at once, as the memory gat
 The gates that depend on the policy (quality, memory, energy) read it from the :class:`Cycle`, the state of one
 request's filtering: the policy and quality report as they were when the request was decided, so a reload applies
 to the next request and never to half of this one's modes.
+
+The *standing* gates come first (available, quarantine, quality): their verdicts read only a mode's standing
+(available or loading, its quarantine, its engine's card) and the cycle's policy, report and task, not the request,
+so the controller may keep them from one decision to the next until a mode's standing changes. The gates after
+them ask what this request needs (options, queue room, memory, energy).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class Cycle:
 
 class Gate(Protocol):
     name: str
+    #: its verdicts read only the modes' standing and the cycle's policy, report and task (see the module's
+    #: docstring): kept until one of them changes
+    standing: bool
 
     def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
         """Of ``modes``, those it passes; each it stops goes into ``filtered`` with its verdict. The controller
@@ -41,6 +49,8 @@ class Gate(Protocol):
 
 class _EachMode:
     """A gate that asks every mode: its ``check(mode, cycle)`` answers None (pass) or the verdict."""
+
+    standing = False
 
     def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
         passed = []
@@ -60,6 +70,7 @@ class AvailableGate(_EachMode):
     """The mode was built and warmed up."""
 
     name = "available"
+    standing = True
 
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         if mode.available:
@@ -73,6 +84,7 @@ class QuarantineGate:
     """The mode has not failed a request recently (the registry sets the backoff)."""
 
     name = "quarantine"
+    standing = True
 
     def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
         now = time.monotonic()  # once for every mode
@@ -134,6 +146,7 @@ class QualityGate:
     mode, kernels) and then looked up."""
 
     name = "quality"
+    standing = True
 
     def __init__(self) -> None:
         #: (report, policy, family) -> {mode: (the kernels card it was judged on, verdict)}, for the latest key only
@@ -206,6 +219,11 @@ class EnergyGate(_EachMode):
 
     name = "energy"
 
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        if not cycle.policy.caps_energy:  # most policies cap nothing: nothing to ask
+            return modes
+        return _EachMode.admit(self, modes, cycle, filtered)
+
     def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
         j = mode.j_per_token
         if j is None:
@@ -218,5 +236,5 @@ class EnergyGate(_EachMode):
 
 def gates(kv_bytes_per_token: int) -> tuple[Gate, ...]:
     """Every gate, in the order they are asked (the first verdict is the one a mode is filtered with)."""
-    return (AvailableGate(), QuarantineGate(), CapabilityGate(), CapacityGate(), QualityGate(),
+    return (AvailableGate(), QuarantineGate(), QualityGate(), CapabilityGate(), CapacityGate(),
             MemoryGate(kv_bytes_per_token), EnergyGate())

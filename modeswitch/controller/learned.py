@@ -341,6 +341,10 @@ class LearnedPolicy:
         """The energy block's caps alone: the learned policy has no per-request caps."""
         return self.energy.cap(mode)
 
+    @property
+    def caps_energy(self) -> bool:
+        return self.energy.capped
+
     # ------------------------------------------------------------------ learning
     def observe(self, completed: Completed) -> None:
         """Fold a completed request into its mode's models. Only clean measurements teach: served well

@@ -67,6 +67,11 @@ class EnergyPolicy:
             caps.append(extra)
         return min(caps) if caps else None
 
+    @property
+    def capped(self) -> bool:
+        """Whether it caps any mode at all."""
+        return self.max_j_per_token is not None or bool(self.modes)
+
 
 @dataclass(frozen=True)
 class MemoryPolicy:
@@ -110,6 +115,10 @@ class Policy(Protocol):
 
     def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
         """The tightest J/token cap on ``mode`` for this request and where it comes from (the energy gate)."""
+
+    @property
+    def caps_energy(self) -> bool:
+        """Whether it caps any mode's energy on any request (the energy gate asks nothing otherwise)."""
 
     def observe(self, completed: Completed) -> None:
         """A request finished (a learning policy picks what it learns from)."""

@@ -157,14 +157,13 @@ class RulePolicy:
         return tuple(_unique(self.default + self.fallback))
 
     @cached_property
-    def _capped(self) -> bool:
+    def caps_energy(self) -> bool:
         """Whether the policy or any rule caps energy at all (most do not: the energy gate then asks nothing)."""
-        return (self.energy.max_j_per_token is not None or bool(self.energy.modes)
-                or any(r.max_j_per_token is not None for r in self.rules))
+        return self.energy.capped or any(r.max_j_per_token is not None for r in self.rules)
 
     def energy_cap(self, mode: str, features: Features) -> tuple[float, str] | None:
         """The policy's caps on ``mode``, and the matching rule's for this request."""
-        if not self._capped:
+        if not self.caps_energy:
             return None
         last_features, rule = self._last_match.pair
         if last_features is not features:

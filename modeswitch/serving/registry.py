@@ -42,6 +42,24 @@ ENERGY_EWMA_ALPHA = 0.2
 WARM_UP_TIMEOUT_S = 300
 
 
+class Standing:
+    """Counts the changes to the standing of a registry's modes: what the controller's standing gates read of a
+    mode (available or loading and why, its quarantine, its engine and card). The controller keeps those gates'
+    verdicts until the count moves (``Controller(standing=...)``), instead of asking every mode at every decision."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self) -> None:
+        self.changes = 0
+
+    def __call__(self) -> int:
+        return self.changes
+
+
+#: the :class:`ModeState` fields the standing gates read; setting one counts a change of its registry's standing
+STANDING_FIELDS = frozenset({"status", "reason", "engine", "details", "quarantined_until", "last_error"})
+
+
 @dataclass
 class ModeState:
     """A mode as served: its spec, whether it can take requests, its engine worker, and its health.
@@ -49,10 +67,12 @@ class ModeState:
     A mode that fails a request is quarantined: the controller skips it for a backoff that doubles with
     each consecutive failure (``QUARANTINE_BASE_S`` up to ``QUARANTINE_MAX_S``) and resets on a success.
     The read-only properties are what the controller decides on; they hold for a mode without an engine
-    too (not built, or built by hand in a test).
+    too (not built, or built by hand in a test). Setting a field in :data:`STANDING_FIELDS` counts a change in
+    ``standing`` (its registry's: shared by its modes).
     """
 
     spec: ModeSpec
+    standing: Standing = field(default_factory=Standing, repr=False, compare=False)
     status: str = "unavailable"
     reason: str = ""
     engine: Engine | None = None
@@ -66,6 +86,11 @@ class ModeState:
     energy_requests: int = 0
     #: the running batch it shares with other modes (see BuiltMode.batch); empty: its own
     shared_batch: str = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in STANDING_FIELDS:
+            self.standing.changes += 1
 
     def record_failure(self, error: str) -> None:
         self.failures += 1
@@ -197,7 +222,9 @@ class ModeRegistry:
         self.preset = preset
         self.load_config = load
         self.backend = backend if backend is not None else select_backend(preset, load)
-        self.modes: dict[str, ModeState] = {m.name: ModeState(m) for m in modes}
+        #: counts changes to the modes' standing (see :class:`Standing`)
+        self.standing = Standing()
+        self.modes: dict[str, ModeState] = {m.name: ModeState(m, self.standing) for m in modes}
         #: NVML where the GPU has the counter, else an estimate at ``power_watts`` (labelled "estimated")
         self.energy = EnergyAccountant(meter_for(device_type(self.backend.device), load.power_watts))
         self.plan: MemoryPlan | None = None

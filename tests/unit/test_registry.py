@@ -256,3 +256,39 @@ def test_a_mode_whose_engine_is_back_up_serves_at_once():
     assert state.available and state.quarantine_left == 0
     state.record_failure("a request failed")  # the backoff starts over
     assert 0 < state.quarantine_left <= 5
+
+
+def test_the_controller_keeps_the_standing_verdicts_until_a_modes_standing_changes():
+    """The gates that read only a mode's standing (available, quarantine, quality on its card) are asked again
+    only when the registry counts a change: each change below reaches the very next decision, and decisions with
+    nothing changed between them do not ask those gates."""
+    from modeswitch.controller.decide import Controller
+    from modeswitch.controller.verdicts import Code
+    from policy_text import feats, policy_from
+
+    reg = registry(_Backend(broken={"broken_warm_up"}))
+    ctl = Controller(reg.modes, policy_from("rules: []\ndefault: [int8, fp16, gptq]\n"), standing=reg.standing)
+    asked = []
+
+    class Counting:
+        name, standing = "counting", True
+
+        def admit(self, modes, cycle, filtered):
+            asked.append(len(modes))
+            return modes
+
+    ctl._standing_gates += (Counting(),)
+    assert [ctl.decide(feats()).mode for _ in range(3)] == ["int8"] * 3 and len(asked) == 1
+    reg.modes["int8"].record_failure("boom")  # quarantined
+    assert ctl.decide(feats()).mode == "fp16" and ctl.filter(feats())["int8"].code is Code.QUARANTINED
+    reg.modes["int8"].engine_health(None, restarting=False)  # back up: its quarantine lifted
+    assert ctl.decide(feats()).mode == "int8"
+    reg.modes["int8"].engine_health("engine died", restarting=True)
+    assert ctl.decide(feats()).mode == "fp16" and ctl.filter(feats())["int8"].code is Code.LOADING
+    reg.modes["int8"].engine_health(None, restarting=False)
+    assert ctl.decide(feats()).mode == "int8"
+    asked.clear()
+    ctl.quality_report = {"tasks": {"ppl": {"higher_is_better": False}},
+                          "modes": {"fp16": {"ppl": {"value": 100.0}}, "int8": {"ppl": {"value": 140.0}}}}
+    assert [ctl.decide(feats()).mode for _ in range(3)] == ["fp16"] * 3 and len(asked) == 1  # the report read at once
+    reg.close()
