@@ -22,7 +22,10 @@ and other engines'), ``q`` prompt tokens of them not computed yet, is predicted 
     delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q) + steps(r) x (step_e(n + 1) - step_e(n)))
 
 where ``steps(r)`` is ``(max_tokens - 1) / tokens_per_step(m, r)``: ``tokens_per_step`` is 1 for a plain mode
-and the drafting acceptance learned for this kind of request (:mod:`.speculation`) for a speculative one;
+and, for a speculative one, 1 plus the drafting gain learned for this kind of request (:mod:`.speculation`, which
+replays drafting at its full bound) times the share of that gain the engine's drafting requests got at load
+``n + 1`` (a third curve, ``draft_yield``, from every finished drafting request: an engine that drafts less when
+busy, as the vLLM engines' drafting budget does on a CPU, delivers less of it there; all of it until measured);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
@@ -56,6 +59,10 @@ log = logging.getLogger(__name__)
 #: (at a moment its lane is quiet): no request of its own corrects them, so a measurement disturbed at start, or a
 #: machine that changed since, would otherwise park it for good
 REMEASURE_IDLE_S = 600.0
+#: the least drafting gain (tokens per target step less one) a prediction must promise for the share of it a
+#: request got to be learned (a ratio to nearly nothing says nothing), and the most that share is counted at
+MIN_PREDICTED_GAIN = 0.1
+MAX_YIELD = 2.0
 
 class Prediction(NamedTuple):
     """A mode's predicted seconds for one request: its own time to the last token, and the delay it adds to
@@ -237,8 +244,12 @@ class CostModel:
         return None
 
     def install(self, stream: str, costs: StreamCosts) -> None:
-        """Replace ``stream``'s curves with a calibration's, measured whole before they count."""
+        """Replace ``stream``'s curves with a calibration's, measured whole before they count (what its drafting
+        delivered is learned from live requests only: kept)."""
         with self._lock:
+            old = self._streams.get(stream)
+            if old is not None and not costs.draft_yield.measured:
+                costs.draft_yield = old.draft_yield
             self._streams[stream] = costs
             self._stale.discard(stream)
             self._measured_at[stream] = time.monotonic()
@@ -294,15 +305,26 @@ class CostModel:
         unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
         self.add_prefill(stream, self.lane_load(completed.mode, f.prefilling_by_mode) + unmatched, completed.ttft_s)
         self.add_service(stream, completed.latency_s)
-        if completed.tpot_s is None or others:
+        if completed.tpot_s is None:
             return
         seconds = completed.tpot_s
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
             per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
             if per_step is None:
                 return
+            self._add_yield(stream, own + 1, per_step, f.draft_tokens_per_step)
             seconds *= per_step
-        self.add_step(stream, own + 1, seconds)  # as decided: this request joining
+        if not others:
+            self.add_step(stream, own + 1, seconds)  # as decided: this request joining
+
+    def _add_yield(self, stream: str, load: int, got: float, predicted: float) -> None:
+        """The share of its predicted drafting gain a drafting request got at ``load`` (tokens per target step less
+        one, got over predicted), where the prediction promised a gain to compare with."""
+        if predicted - 1.0 < MIN_PREDICTED_GAIN:
+            return
+        costs = self.stream(stream)
+        with self._lock:
+            costs.draft_yield.add(load, min(max((got - 1.0) / (predicted - 1.0), 0.0), MAX_YIELD))
 
     # ------------------------------------------------------------------ predicting
     def predict(self, mode: str, features: Features, tokens_per_step: float = 1.0) -> Prediction | None:
@@ -330,7 +352,6 @@ class CostModel:
                 lane = places[m][0] if m in places else ""
                 queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
-        drafted_steps = (max_tokens - 1) / tokens_per_step if tokens_per_step > 1 else max_tokens - 1
         #: lane -> (requests, prompt tokens not computed, one step of each busy engine) on the lanes near it
         near_lanes: dict[str, tuple[int, int, float]] = {}
         #: stream -> what its modes' predictions share (None: not measured)
@@ -368,7 +389,10 @@ class CostModel:
             own_step = step_at(mine + 1)
             # the other busy engines' turns (an engine not measured yet is counted at nothing)
             step = own_step + (turn - busy_step(engine) if mine else turn) if lane_load > mine else own_step
-            steps = drafted_steps if drafting else max_tokens - 1
+            steps = max_tokens - 1
+            if drafting and tokens_per_step > 1:  # the gain predicted, in the share this engine delivers at the load
+                delivered = costs.draft_yield.at(mine + 1)
+                steps /= 1.0 + (tokens_per_step - 1.0) * (1.0 if delivered is None else delivered)
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
             growth = max(own_step - step_at(mine), 0.0) if mine else own_step

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 #: weight of each new observation in a bucket's running means once it has this many (1 / WEIGHT) samples:
@@ -115,6 +115,10 @@ class StreamCosts:
     step: Curve
     #: a request's seconds from submission to its last token (what a queued request waits per batch ahead)
     service: _Point
+    #: a drafting stream's: the share of the drafting gain predicted for a request (its tokens per target step less
+    #: one) that the engine delivered, against the requests on the engine (an engine that drafts less when busy
+    #: delivers less of it there); empty for a plain stream
+    draft_yield: Curve = field(default_factory=Curve)
 
     @classmethod
     def empty(cls) -> "StreamCosts":
@@ -125,11 +129,14 @@ class StreamCosts:
         return self.prefill.measured and self.step.measured
 
     def dump(self) -> dict[str, Any]:
-        return {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_engine_load": self.step.dump(),
-                "service_s": [round(self.service.y, 4), self.service.n]}
+        out = {"prefill_s_by_tokens": self.prefill.dump(), "step_s_by_engine_load": self.step.dump(),
+               "service_s": [round(self.service.y, 4), self.service.n]}
+        if self.draft_yield.measured:
+            out["draft_yield_by_engine_load"] = self.draft_yield.dump()
+        return out
 
     @classmethod
     def load(cls, data: Mapping[str, Any]) -> "StreamCosts":
         service = data.get("service_s") or [0.0, 0]
         return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
-                   _Point(0.0, float(service[0]), int(service[1])))
+                   _Point(0.0, float(service[0]), int(service[1])), Curve.load(data.get("draft_yield_by_engine_load", ())))

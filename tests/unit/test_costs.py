@@ -439,3 +439,34 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     assert sum(moved.values()) == sum(m.own_engine for m in shipped)
     unmeasured = follow_measurements(shipped, CostModel(tmp_path / "none.json"), "demo", said.append)
     assert unmeasured == shipped and len(said) == 1
+
+
+def test_a_drafting_engine_that_delivers_less_of_the_predicted_gain_when_busy_is_predicted_so():
+    """The acceptance predicted for a request is a replay at the full drafting bound; an engine that drafts less when
+    busy gets less of it there. What its requests got, over what was predicted, is learned per load and scales the
+    predicted gain at that load (all of it until learned; a calibration keeps it)."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"d": "m drafting"}, lanes={}, engines={"d": "m"}, slots={"d": 8},
+                       drafting=frozenset({"d"})))
+    costs.add_prefill("m drafting", 16, 0.05)
+    for load in (1, 8):
+        costs.add_step("m drafting", load, 0.04)
+
+    def done(in_flight: int, steps: int) -> Completed:  # 21 tokens, predicted at 3 a step; a step still 0.04 s
+        f = feats(prompt_tokens=64, in_flight_by_mode={"d": in_flight}, draft_tokens_per_step=3.0)
+        tpot = 0.04 * (steps - 1) / 20
+        return Completed("d", f, "ok", 0.1, tpot, 1.0, 64, 21, 1.0, "estimated", False, False, target_steps=steps)
+
+    request = feats(max_tokens=31, in_flight_by_mode={"d": 7})
+    assert costs.predict("d", request, tokens_per_step=3.0).decode_s == pytest.approx(10 * 0.04)
+    costs.observe(done(0, 11))  # alone: 20 tokens after the first in 10 steps, 2 a step: half the gain
+    costs.observe(done(7, 21))  # at load 8: one a step, none of it
+    assert costs.predict("d", request, tokens_per_step=3.0).decode_s == pytest.approx(30 * 0.04)
+    alone = feats(max_tokens=31)
+    assert costs.predict("d", alone, tokens_per_step=3.0).decode_s == pytest.approx(15 * 0.04)
+    fresh = StreamCosts.empty()
+    fresh.prefill.add(16, 0.05)
+    fresh.step.add(1, 0.04)
+    costs.install("m drafting", fresh)
+    assert costs.predict("d", alone, tokens_per_step=3.0).decode_s == pytest.approx(15 * 0.04)
+    assert StreamCosts.load(costs.stream("m drafting").dump()).draft_yield.at(8) == 0.0
