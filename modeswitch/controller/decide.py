@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -56,8 +56,11 @@ class NoEligibleMode(RuntimeError):
         self.code = code
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
+    """What :meth:`Controller.decide` decided for one request: read, not changed, after it is made (not frozen: a
+    frozen dataclass's construction alone costs a decision more than a microsecond)."""
+
     mode: str
     #: why: the text, or what writes it when :attr:`reason` is first read (see :class:`~.policy.Choice`)
     why: str | Callable[[], str]
@@ -77,10 +80,14 @@ class Decision:
     #: why the chosen mode's quality verdict was pending (pinned: its gate rows were scored on other kernels); empty
     #: when the gate had passed it
     gate_pending: str = ""
+    _reason: str | None = field(default=None, init=False, repr=False, compare=False)
 
-    @cached_property
+    @property
     def reason(self) -> str:
-        return self.why if isinstance(self.why, str) else self.why()
+        """:attr:`why`'s text, written on the first read."""
+        if self._reason is None:
+            self._reason = self.why if isinstance(self.why, str) else self.why()
+        return self._reason
 
     @property
     def prediction(self) -> Mapping | None:

@@ -122,15 +122,21 @@ class CapabilityGate(_EachMode):
         return self._verdicts[missing]
 
 
-class CapacityGate(_EachMode):
+class CapacityGate:
     """The mode's bounded queue has room; when every mode is full, waiting helps."""
 
     name = "capacity"
+    standing = False
 
-    def check(self, mode: ModeView, cycle: Cycle) -> Verdict | None:
-        if mode.in_flight >= mode.max_queue:
-            return Verdict(Code.SATURATED, f"saturated: {mode.in_flight}/{mode.max_queue} in flight")
-        return None
+    def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        passed = []
+        for mode in modes:
+            n, bound = mode.in_flight, mode.max_queue
+            if n >= bound:
+                filtered[mode.name] = Verdict(Code.SATURATED, f"saturated: {n}/{bound} in flight")
+            else:
+                passed.append(mode)
+        return passed
 
 
 _NO_REPORT = Verdict(Code.QUALITY, "no quality gate report (require_gate)")
