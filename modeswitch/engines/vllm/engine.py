@@ -142,6 +142,8 @@ class VllmRunner:
         #: the engine-core processes this engine started (where its weights and KV live): read from the
         #: engine's own process manager, not by diffing this process's children, since engines start together
         self.pids = engine_pids(self.llm)
+        #: pid -> its ``psutil.Process``, made on :meth:`death`'s first look
+        self._procs: dict[int, psutil.Process] = {}
         cache = self.llm.vllm_config.cache_config  # filled in by the engine core once its KV is allocated
         self.prefix = PagedPrefixShadow(cache.block_size, cache.num_gpu_blocks or 0)
         #: how many requests vLLM's scheduler runs at once
@@ -173,10 +175,12 @@ class VllmRunner:
 
     def death(self) -> str | None:
         """Why the engine is dead (one of its processes has exited), or None while every one runs. Cheap: the
-        backend's supervisor asks twice a second."""
+        backend's supervisor asks twice a second, so each process's ``psutil.Process`` is made once (making one
+        reads its ``/proc`` entry again: 55-100 us of CPU per process a look, 27-29 us with it kept)."""
         for pid in self.pids:
             try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                proc = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
+                if proc.status() != psutil.STATUS_ZOMBIE:
                     continue
             except psutil.NoSuchProcess:
                 pass
