@@ -8,7 +8,7 @@ it uses, so the service holds no per-observer rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 from .features import Features
 
@@ -30,6 +30,9 @@ class Completed:
     prompt_ids: tuple[int, ...] = ()   # the prompt, and the tokens generated (what drafting would have seen)
     output_ids: tuple[int, ...] = ()
     target_steps: int | None = None    # a speculative mode's target steps (None: not speculative)
+    #: per mode with requests in flight meanwhile, the mean number of them from its first token to its end (its own
+    #: included): the loads its time per token was spent at (None: fewer than two tokens, or not known)
+    loads_met: Mapping[str, float] | None = None
 
 
 #: Something that wants every completed request (``Controller.add_observer``).

@@ -5,9 +5,10 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
 - ``prefill``: seconds to the first token against the prompt tokens computed before it: its own (the prompt
   less what the mode's prefix cache holds) and those of the requests on the lane still waiting for their first
   token (a burst's prompts are computed one after another, and the last one waits for them all);
-- ``step``: seconds per target step against the requests running on the engine, this request included,
-  measured while no other engine computes on its *lane* (the cores or device it computes on; lanes overlap
-  where they share a core, and an engine pinned nowhere shares every core).
+- ``step``: seconds per target step against the requests running on the engine, this request included (for a
+  finished request, their mean number from its first token to its end: ``Completed.loads_met``), measured while no
+  other engine computes on its *lane* (the cores or device it computes on; lanes overlap where they share a core,
+  and an engine pinned nowhere shares every core).
 
 Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
 pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
@@ -260,7 +261,7 @@ class CostModel:
         with self._lock:
             costs.prefill.add(max(tokens, 1), seconds)
 
-    def add_step(self, stream: str, lane_load: int, seconds: float) -> None:
+    def add_step(self, stream: str, lane_load: float, seconds: float) -> None:
         costs = self.stream(stream)
         with self._lock:
             costs.step.add(max(lane_load, 1), seconds)
@@ -278,8 +279,9 @@ class CostModel:
         near = self._near.get(lanes.get(mode, ""), ("",))
         return sum(n for m, n in by_mode.items() if lanes.get(m, "") in near)
 
-    def engine_load(self, mode: str, in_flight_by_mode: Mapping[str, int]) -> tuple[int, int]:
-        """Requests in flight on ``mode``'s engine, and on the other engines sharing its lane."""
+    def engine_load(self, mode: str, in_flight_by_mode: Mapping[str, float]) -> tuple[float, float]:
+        """Requests in flight on ``mode``'s engine, and on the other engines sharing its lane (counts, or the
+        mean counts a request met)."""
         engines, lanes = self.binding.engines, self.binding.lanes
         engine, near = engines.get(mode, mode), self._near.get(lanes.get(mode, ""), ("",))
         own = others = 0
@@ -293,31 +295,33 @@ class CostModel:
     def observe(self, completed: Completed) -> None:
         """Correct the served stream's curves from a finished request: its time to first token against the
         prompt tokens computed before it (its own and those it waited behind), its time per target step against
-        the requests on its engine it met (only where no other engine was computing on its lane: a step shared
-        with another engine's is not this engine's cost), its whole time."""
+        the mean requests on its engine it met while it decoded (only where no other engine computed on its lane
+        meanwhile: a step shared with another engine's is not this engine's cost), its whole time."""
         b = self.binding
         stream = b.streams.get(completed.mode)
         if (stream is None or completed.outcome != "ok" or completed.retried or completed.scoring
                 or completed.ttft_s is None):
             return
         f = completed.features
-        own, others = self.engine_load(completed.mode, f.in_flight_by_mode)
         unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
         self.add_prefill(stream, self.lane_load(completed.mode, f.prefilling_by_mode) + unmatched, completed.ttft_s)
         self.add_service(stream, completed.latency_s)
-        if completed.tpot_s is None:
+        if completed.tpot_s is None or completed.loads_met is None:
             return
+        # the mean requests it met on its engine (itself included) while it decoded, not those it found: a request
+        # that found its engine idle at the start of a burst spent its steps beside the burst
+        own, others = self.engine_load(completed.mode, completed.loads_met)
         seconds = completed.tpot_s
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
             per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
             if per_step is None:
                 return
-            self._add_yield(stream, own + 1, per_step, f.draft_tokens_per_step)
+            self._add_yield(stream, own, per_step, f.draft_tokens_per_step)
             seconds *= per_step
         if not others:
-            self.add_step(stream, own + 1, seconds)  # as decided: this request joining
+            self.add_step(stream, own, seconds)
 
-    def _add_yield(self, stream: str, load: int, got: float, predicted: float) -> None:
+    def _add_yield(self, stream: str, load: float, got: float, predicted: float) -> None:
         """The share of its predicted drafting gain a drafting request got at ``load`` (tokens per target step less
         one, got over predicted), where the prediction promised a gain to compare with."""
         if predicted - 1.0 < MIN_PREDICTED_GAIN:
@@ -496,7 +500,7 @@ class CostModel:
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read
-CURVES_VERSION = 4
+CURVES_VERSION = 5
 
 
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:

@@ -144,6 +144,9 @@ class Engine(ABC):
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
         self._in_flight = 0
+        #: request-seconds in flight up to ``_counted_at`` (``time.monotonic()``): see :meth:`load_seconds`
+        self._load_s = 0.0
+        self._counted_at = time.monotonic()
         self._lock = threading.Lock()
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
@@ -190,6 +193,22 @@ class Engine(ABC):
         """Requests accepted and not finished (waiting or running): the mode's queue depth feature."""
         return self._in_flight
 
+    def load_seconds(self) -> tuple[float, float]:
+        """``(time.monotonic(), request-seconds in flight so far)``: the integral of :attr:`in_flight` over time,
+        so that the mean number of requests a finished one met here is the difference of two readings over the
+        time between them (what the cost model files its step time under, whatever joined or left meanwhile)."""
+        with self._lock:
+            now = time.monotonic()
+            return now, self._load_s + self._in_flight * (now - self._counted_at)
+
+    def _move_in_flight(self, change: int) -> None:
+        """``in_flight`` moves by ``change``, the time at the old count added to :meth:`load_seconds` (under the
+        lock)."""
+        now = time.monotonic()
+        self._load_s += self._in_flight * (now - self._counted_at)
+        self._counted_at = now
+        self._in_flight += change
+
     def waiting_running(self) -> tuple[int, int]:
         """This mode's in-flight requests split into (waiting, running): queued, or in a batch being generated
         (prefill included), as vLLM's ``num_requests_waiting`` / ``num_requests_running`` count them. Read on
@@ -212,7 +231,7 @@ class Engine(ABC):
         with self._lock:
             if self._in_flight >= self.max_queue:
                 raise QueueFull(f"{self._in_flight} requests in flight, limit {self.max_queue}")
-            self._in_flight += 1
+            self._move_in_flight(1)
         req.on_finish.append(self._release)
         try:
             self._enqueue(req)
@@ -222,7 +241,7 @@ class Engine(ABC):
 
     def _release(self) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._move_in_flight(-1)
 
     @abstractmethod
     def _enqueue(self, req: GenRequest) -> None:

@@ -152,6 +152,10 @@ class ModeState:
     def in_flight(self) -> int:
         return self.engine.in_flight if self.engine is not None else 0
 
+    def load_seconds(self) -> tuple[float, float] | None:
+        """Its engine's :meth:`~modeswitch.engines.base.Engine.load_seconds` (None without one)."""
+        return self.engine.load_seconds() if self.engine is not None else None
+
     @property
     def batch_slots(self) -> int:
         """Requests its engine generates at once (1: one at a time, or not loaded)."""

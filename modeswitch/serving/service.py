@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from ..controller.completed import Completed
 from ..controller.decide import Controller, NoEligibleMode
@@ -103,6 +103,8 @@ class Generation:
         self.extra: dict[str, Any] = {}
         self.started_at = time.perf_counter()
         self.first_token_at: float | None = None
+        #: every mode's in-flight request-seconds at the first token (``Service.load_seconds``)
+        self._loads_at_first: dict[str, tuple[float, float]] = {}
         #: set once the response streams its text: from then on a failed attempt cannot be retried unseen (a
         #: response sent whole can be: its text is read to the end before anything is sent)
         self.streamed = False
@@ -197,7 +199,8 @@ class Generation:
             latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,
             energy_j=self.energy_j, energy_source=self.service.registry.energy.source, retried=bool(self.attempts),
             scoring=scoring, prompt_ids=tuple(self.prompt_ids), output_ids=tuple(self.assembler.ids),
-            target_steps=self.extra.get("speculative", {}).get("target_steps")))
+            target_steps=self.extra.get("speculative", {}).get("target_steps"),
+            loads_met=self.service.loads_met(self._loads_at_first) if tpot is not None else None))
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -246,6 +249,7 @@ class Generation:
                 if event.kind == "tokens":
                     if self.first_token_at is None:
                         self.first_token_at = time.perf_counter()
+                        self._loads_at_first = self.service.load_seconds()
                         self._settle()
                     self.completion_tokens += len(event.token_ids)
                     self.token_logprobs += event.info.get("logprobs", ())
@@ -401,6 +405,29 @@ class Service:
             keys={stream[m.spec.name]: stream_key(machine(), self.model_name, self.registry.backend_name, stream[m.spec.name], m.details) for m in modes},
             pairs=pairs,
             weights={m.spec.name: m.spec.weights for m in modes}))
+
+    def load_seconds(self) -> dict[str, tuple[float, float]]:
+        """Every mode's in-flight request-seconds so far, with when it was read (``Engine.load_seconds``)."""
+        out = {}
+        for name, state in self.registry.modes.items():
+            reading = state.load_seconds()
+            if reading is not None:
+                out[name] = reading
+        return out
+
+    def loads_met(self, since: Mapping[str, tuple[float, float]]) -> dict[str, float] | None:
+        """Per mode with requests in flight since the readings ``since`` (:meth:`load_seconds`), their mean number
+        since; None without readings, or where an engine was replaced meanwhile (its count started again)."""
+        if not since:
+            return None
+        out = {}
+        for name, (then, counted) in since.items():
+            reading = self.registry.modes[name].load_seconds()
+            if reading is None or reading[1] < counted or reading[0] <= then:
+                return None
+            if reading[1] > counted:
+                out[name] = (reading[1] - counted) / (reading[0] - then)
+        return out
 
     def owe(self, mode: str, tokens: int, paid: bool = False) -> tuple[str, int]:
         """Count ``tokens`` of prompt as still to compute on ``mode`` (or, ``paid``, as computed)."""

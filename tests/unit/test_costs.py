@@ -98,8 +98,8 @@ def test_engines_sharing_a_lane_take_turns_and_an_unpinned_engine_shares_every_l
     assert unpinned.decode_s == pytest.approx(10 * (0.05 + 0.02)) and unpinned.delay_s == pytest.approx(10 * 0.05)
     assert costs.lane_load("u", {"a": 1, "c": 2}) == 3 and costs.lane_load("a", {"c": 2}) == 0
     before = costs.stream("a").step.dump()
-    costs.observe(Completed("a", feats(prompt_tokens=10, in_flight_by_mode={"b": 1}), "ok", 0.1, 0.5, 1.0, 10, 5,
-                            1.0, "estimated", False, False))
+    costs.observe(Completed("a", feats(prompt_tokens=10), "ok", 0.1, 0.5, 1.0, 10, 5, 1.0, "estimated", False, False,
+                            loads_met={"a": 1.0, "b": 0.25}))  # b's engine computed on its cores a quarter of it
     assert costs.stream("a").step.dump() == before and costs.stream("a").prefill.samples(10) == 2
 
 
@@ -128,20 +128,62 @@ def test_finished_requests_correct_the_curves_at_the_load_they_met():
     costs.bind(Binding(streams={"m": "m", "d": "m drafting"}, lanes={}, engines={"m": "m", "d": "m"},
                        slots={"m": 8, "d": 8}, drafting=frozenset({"d"})))
 
-    def done(mode, in_flight, tpot, steps=None, **kw) -> Completed:
-        f = feats(prompt_tokens=64, in_flight_by_mode=in_flight)
+    def done(mode, met, tpot, steps=None, **kw) -> Completed:
+        f = feats(prompt_tokens=64, in_flight_by_mode={"m": 1})  # what it found: one request on its engine
         return Completed(mode, f, "ok", 0.1, tpot, 1.0, 64, 21, 1.0, "estimated", False, False, target_steps=steps,
-                         **kw)
+                         loads_met=met, **kw)
 
-    costs.observe(done("m", {"m": 3}, 0.02))  # it joined 3: load 4
+    costs.observe(done("m", {"m": 4.0}, 0.02))  # filed under the mean load it met (itself included), not 2
     assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
     assert costs.stream("m").prefill.dump() == [[64.0, 0.1, 1]]
-    costs.observe(done("d", {"m": 3}, 0.01, steps=6))  # 20 tokens after the first in 5 steps: 0.04 a step
+    costs.observe(done("d", {"m": 3.0, "d": 1.0}, 0.01, steps=6))  # 20 tokens after the first in 5 steps: 0.04
     assert costs.stream("m drafting").step.at(4) == pytest.approx(0.04)
+    costs.observe(done("m", None, 0.5))  # the loads it met not known: no step time
+    assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
     for failed in (replace(done("m", {}, 0.5), outcome="error"), replace(done("m", {}, 0.5), retried=True),
                    replace(done("m", {}, 0.5), scoring=True)):
         costs.observe(failed)
     assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
+
+
+def test_an_engine_integrates_its_requests_in_flight_so_a_request_knows_the_loads_it_met(monkeypatch, make_app):
+    """What a request's time per token is filed under: the mean requests on its engine from its first token to its
+    end, the difference of two readings of the engine's in-flight request-seconds, whatever it found when decided
+    (a request that found its engine idle at the start of a burst spent its steps beside the burst)."""
+    import types
+
+    import modeswitch.engines.base as base
+    from modeswitch.engines.base import Engine, GenRequest
+    from modeswitch.sampling_params import SamplingParams
+
+    class Holding(Engine):  # keeps what it is given until it is answered
+        def _enqueue(self, req):
+            pass
+
+        def close(self):
+            pass
+
+    clock = [100.0]
+    monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    engine = Holding(8)
+    first, second = (GenRequest([i], SamplingParams(max_tokens=1)) for i in (1, 2))
+    engine.submit(first)
+    clock[0] = 101.0
+    assert engine.load_seconds() == (101.0, 1.0)
+    engine.submit(second)
+    clock[0] = 103.0
+    first.emit("done")
+    clock[0] = 104.0
+    then, counted = 101.0, 1.0
+    now, total = engine.load_seconds()
+    assert (total - counted) / (now - then) == pytest.approx(5 / 3)  # two for 2 s, then one for 1 s
+    monkeypatch.undo()
+
+    app = make_app(modes=["prefix_cache"], scripts={"prefix_cache": Script(token_s=0.005, batch=4)})
+    seen: list[Completed] = []
+    app.service.controller.add_observer(seen.append)
+    app.complete([65, 66, 67], max_tokens=8)
+    assert seen[-1].loads_met == {"prefix_cache": pytest.approx(1.0, rel=0.05)}  # alone, itself included
 
 
 def test_measurements_are_kept_under_their_key_and_read_back_by_the_same_engine(tmp_path):
@@ -455,7 +497,8 @@ def test_a_drafting_engine_that_delivers_less_of_the_predicted_gain_when_busy_is
     def done(in_flight: int, steps: int) -> Completed:  # 21 tokens, predicted at 3 a step; a step still 0.04 s
         f = feats(prompt_tokens=64, in_flight_by_mode={"d": in_flight}, draft_tokens_per_step=3.0)
         tpot = 0.04 * (steps - 1) / 20
-        return Completed("d", f, "ok", 0.1, tpot, 1.0, 64, 21, 1.0, "estimated", False, False, target_steps=steps)
+        return Completed("d", f, "ok", 0.1, tpot, 1.0, 64, 21, 1.0, "estimated", False, False, target_steps=steps,
+                         loads_met={"d": in_flight + 1.0})
 
     request = feats(max_tokens=31, in_flight_by_mode={"d": 7})
     assert costs.predict("d", request, tokens_per_step=3.0).decode_s == pytest.approx(10 * 0.04)
