@@ -65,6 +65,7 @@ REMEASURE_IDLE_S = 600.0
 MIN_PREDICTED_GAIN = 0.1
 MAX_YIELD = 2.0
 
+
 class Prediction(NamedTuple):
     """A mode's predicted seconds for one request: its own time to the last token, and the delay it adds to
     the requests already on the lane; ``total`` is what a policy minimises. (A tuple: a decision builds one
