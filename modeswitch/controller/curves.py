@@ -139,4 +139,5 @@ class StreamCosts:
     def load(cls, data: Mapping[str, Any]) -> "StreamCosts":
         service = data.get("service_s") or [0.0, 0]
         return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
-                   _Point(0.0, float(service[0]), int(service[1])), Curve.load(data.get("draft_yield_by_engine_load", ())))
+                   _Point(0.0, float(service[0]), int(service[1])),
+                   Curve.load(data.get("draft_yield_by_engine_load", ())))

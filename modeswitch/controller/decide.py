@@ -153,32 +153,35 @@ class Controller:
         return self._filter(Cycle(features, self.policy, self.quality_report), exclude)
 
     def _filter(self, cycle: Cycle, exclude: frozenset[str]) -> dict[str, Verdict]:
-        if exclude:  # a retry: everything asked afresh
-            filtered: dict[str, Verdict] = dict(self._not_loaded)
-            filtered.update((name, _EXCLUDED) for name in exclude if name in self.modes)
-            left = [mode for name, mode in self.modes.items() if name not in exclude]
-            for gate in self.gates:
-                left = gate.admit(left, cycle, filtered)
-            return filtered
-        left, standing = self._standing_verdicts(cycle)
-        filtered = dict(standing)
+        if exclude:  # a retry: the standing gates asked afresh, without the modes that failed it
+            left, filtered = self._ask_standing(cycle, exclude)
+        else:
+            left, standing = self._standing_verdicts(cycle)
+            filtered = dict(standing)
         for gate in self._request_gates:
             left = gate.admit(left, cycle, filtered)
         return filtered
 
+    def _ask_standing(self, cycle: Cycle, exclude: frozenset[str]) -> tuple[list[ModeView], dict[str, Verdict]]:
+        """The modes not excluded that the standing gates pass, and the verdicts on the rest (with the modes not
+        loaded and those excluded)."""
+        filtered: dict[str, Verdict] = dict(self._not_loaded)
+        filtered.update((name, _EXCLUDED) for name in exclude if name in self.modes)
+        left = [mode for name, mode in self.modes.items() if name not in exclude]
+        for gate in self._standing_gates:
+            left = gate.admit(left, cycle, filtered)
+        return left, filtered
+
     def _standing_verdicts(self, cycle: Cycle) -> tuple[list[ModeView], dict[str, Verdict]]:
-        """The modes the standing gates pass, and their verdicts on the rest (with the modes not loaded): kept from
-        an earlier decision while the standing count, the policy, the report and the task are the ones they were
-        asked under. Not kept while a mode is quarantined (its verdict ends with the clock, and says how soon)."""
+        """:meth:`_ask_standing` with nothing excluded, kept from an earlier decision while the standing count, the
+        policy, the report and the task are the ones they were asked under. Not kept while a mode is quarantined
+        (its verdict ends with the clock, and says how soon)."""
         count = self._standing_count() if self._standing_count is not None else None
         kept = self._standing
         if (count is not None and kept and kept[0] == count and kept[1] is cycle.policy
                 and kept[2] is cycle.quality_report and kept[3] == cycle.features.task):
             return kept[4], kept[5]
-        filtered: dict[str, Verdict] = dict(self._not_loaded)
-        left = list(self.modes.values())
-        for gate in self._standing_gates:
-            left = gate.admit(left, cycle, filtered)
+        left, filtered = self._ask_standing(cycle, frozenset())
         if count is not None and not any(v.code is Code.QUARANTINED for v in filtered.values()):
             self._standing = (count, cycle.policy, cycle.quality_report, cycle.features.task, left, filtered)
         return left, filtered

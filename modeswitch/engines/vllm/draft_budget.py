@@ -29,7 +29,8 @@ from typing import Callable, Sequence
 #: request's acceptance each of its steps lets fade (about its last twenty)
 STEP_WEIGHT = 0.01
 ACCEPT_WEIGHT = 0.05
-#: what a request's acceptance starts from (even odds, worth two tried tokens) and drifts back to while it drafts nothing
+#: what a request's acceptance starts from (even odds, worth two tried tokens) and drifts back to while it drafts
+#: nothing
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_TRIES = 2.0
 #: steps measured before the line is trusted (until then every request drafts its bound)
