@@ -134,6 +134,7 @@ def main() -> int:
     ap.add_argument("--pin", action="append", default=None, help="with --pinned: only this mode (repeatable)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--logs", help="keep the servers' logs in this folder (default: a temporary one, removed)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -150,7 +151,9 @@ def main() -> int:
     records: dict[str, list[dict]] = {s.label: [] for s in servers}
     served: dict[str, Counter] = {s.label: Counter() for s in servers}
     failed: dict[str, str] = {}  # pinned rows whose mode could not serve a whole trace alone, and why
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.logs or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for rnd in range(args.rounds):
             for server in servers:
                 server.proc, server.url = None, ""  # a fresh start each round
