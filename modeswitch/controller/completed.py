@@ -33,6 +33,9 @@ class Completed:
     #: per mode with requests in flight meanwhile, the mean number of them from its first token to its end (its own
     #: included): the loads its time per token was spent at (None: fewer than two tokens, or not known)
     loads_met: Mapping[str, float] | None = None
+    #: the prompt tokens its engine computed from its submission to its first token (its own, those ahead of it and
+    #: those computed in the step with it), and while it decoded (None: its engine does not count them)
+    prefilled_tokens: tuple[int, int] | None = None
 
 
 #: Something that wants every completed request (``Controller.add_observer``).

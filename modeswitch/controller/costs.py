@@ -4,11 +4,14 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
 
 - ``prefill``: seconds to the first token against the prompt tokens computed before it: its own (the prompt
   less what the mode's prefix cache holds) and those of the requests on the lane still waiting for their first
-  token (a burst's prompts are computed one after another, and the last one waits for them all);
+  token (a burst's prompts are computed one after another, and the last one waits for them all); for a finished
+  request on an engine that counts them (``Completed.prefilled_tokens``), those its engine computed until its
+  first token, the prompts that arrived after it and joined its step included;
 - ``step``: seconds per target step against the requests running on the engine, this request included (for a
-  finished request, their mean number from its first token to its end: ``Completed.loads_met``), measured while no
-  other engine computes on its *lane* (the cores or device it computes on; lanes overlap where they share a core,
-  and an engine pinned nowhere shares every core).
+  finished request, their mean number from its first token to its end: ``Completed.loads_met``, its time less
+  the prompts its engine computed meanwhile at the prefill curve's slope: they are charged to the requests that
+  brought them, as ``delay``), measured while no other engine computes on its *lane* (the cores or device it
+  computes on; lanes overlap where they share a core, and an engine pinned nowhere shares every core).
 
 Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
 pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
@@ -304,8 +307,13 @@ class CostModel:
                 or completed.ttft_s is None):
             return
         f = completed.features
-        unmatched = completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
-        self.add_prefill(stream, self.lane_load(completed.mode, f.prefilling_by_mode) + unmatched, completed.ttft_s)
+        prefilled = completed.prefilled_tokens
+        if prefilled is None:  # its own prompt and those its lane had still to compute
+            computed = self.lane_load(completed.mode, f.prefilling_by_mode) + completed.prompt_tokens \
+                - f.prefix_match_by_mode.get(completed.mode, 0)
+        else:  # what its engine computed until its first token, and what the lane's other engines had still to
+            computed = prefilled[0] + self.engine_load(completed.mode, f.prefilling_by_mode)[1]
+        self.add_prefill(stream, computed, completed.ttft_s)
         self.add_service(stream, completed.latency_s)
         if completed.tpot_s is None or completed.loads_met is None:
             return
@@ -313,6 +321,10 @@ class CostModel:
         # that found its engine idle at the start of a burst spent its steps beside the burst
         own, others = self.engine_load(completed.mode, completed.loads_met)
         seconds = completed.tpot_s
+        if prefilled is not None and prefilled[1] > 0:  # less the prompts its steps computed beside its own token
+            seconds -= prefilled[1] * (self.stream(stream).prefill.slope() or 0.0) / (completed.completion_tokens - 1)
+            if seconds <= 0:
+                return
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
             per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
             if per_step is None:
@@ -501,7 +513,7 @@ class CostModel:
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read
-CURVES_VERSION = 5
+CURVES_VERSION = 6
 
 
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:

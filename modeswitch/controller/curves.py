@@ -90,6 +90,14 @@ class Curve:
         x0, x1 = xs[i - 1], xs[i]
         return ys[i - 1] + (ys[i] - ys[i - 1]) * (size - x0) / (x1 - x0) if x1 > x0 else ys[i]
 
+    def slope(self) -> float | None:
+        """Seconds per unit of size from its first measured bucket to its last (what one more token of a prompt
+        costs, on a prefill curve; never below 0); None with fewer than two buckets."""
+        xs, ys, _ = self._xy
+        if len(xs) < 2 or xs[-1] <= xs[0]:
+            return None
+        return max((ys[-1] - ys[0]) / (xs[-1] - xs[0]), 0.0)
+
     def samples(self, size: float) -> int:
         point = self._points.get(bucket(size))
         return point.n if point is not None else 0

@@ -105,6 +105,8 @@ class Generation:
         self.first_token_at: float | None = None
         #: every mode's in-flight request-seconds at the first token (``Service.load_seconds``)
         self._loads_at_first: dict[str, tuple[float, float]] = {}
+        #: the prompt tokens its engine computed before its first token and while it decoded, where the engine counts
+        self._prefilled: tuple[int, int] | None = None
         #: set once the response streams its text: from then on a failed attempt cannot be retried unseen (a
         #: response sent whole can be: its text is read to the end before anything is sent)
         self.streamed = False
@@ -200,7 +202,8 @@ class Generation:
             energy_j=self.energy_j, energy_source=self.service.registry.energy.source, retried=bool(self.attempts),
             scoring=scoring, prompt_ids=tuple(self.prompt_ids), output_ids=tuple(self.assembler.ids),
             target_steps=self.extra.get("speculative", {}).get("target_steps"),
-            loads_met=self.service.loads_met(self._loads_at_first) if tpot is not None else None))
+            loads_met=self.service.loads_met(self._loads_at_first) if tpot is not None else None,
+            prefilled_tokens=self._prefilled))
 
     def _next_event(self) -> Event:
         if self._pending:
@@ -268,6 +271,7 @@ class Generation:
                     self.finish_reason = "stop" if reason in ("stop", "cancelled") else reason
                     if "speculative" in event.info:
                         self.extra["speculative"] = event.info["speculative"]
+                    self._prefilled = event.info.get("prefilled_tokens")
                     self.logprobs = event.info.get("logprobs")
                     tail = self.assembler.flush()
                     if tail:
@@ -324,6 +328,8 @@ class Generation:
             timings["ttft_s"] = round(self.first_token_at - self.started_at, 4)
             if self.completion_tokens > 1:
                 timings["decode_tok_s"] = round((self.completion_tokens - 1) / max(end - self.first_token_at, 1e-9), 2)
+        if self._prefilled is not None:
+            timings["engine_prompt_tokens"] = dict(zip(("before_first_token", "while_decoding"), self._prefilled))
         out = {
             "mode": self.mode,
             "reason": self.decision.reason,

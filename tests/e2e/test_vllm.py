@@ -292,6 +292,28 @@ def test_the_engines_measure_their_costs_and_the_default_policy_picks_the_predic
     assert chosen["total_s"] <= runner_up["total_s"] and chosen["decode_s"] > 0
 
 
+def test_an_engine_counts_the_prompts_it_computed_before_and_beside_a_request(vllm_server):
+    """What the cost model files a request's times at: the prompt tokens its vLLM engine computed until its first
+    token (alone, its own) and while it decoded (a prompt that arrived then)."""
+    steps = lambda: modes(vllm_server)["engines"]["fp16"]["steps"]  # noqa: E731
+    got: list[dict] = []
+    first_steps = steps()
+    runner = threading.Thread(target=lambda: got.append(requests.post(vllm_server + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": LONG, "max_tokens": 256, "ignore_eos": True, "temperature": 0,
+        "mode": "fp16"}).json()))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while steps() < first_steps + 4 and time.monotonic() < deadline:  # it decodes
+        time.sleep(0.05)
+    beside = complete(vllm_server, PROMPTS[0], "fp16", max_tokens=2)
+    runner.join(300)
+    counted = got[0]["modeswitch"]["timings"]["engine_prompt_tokens"]
+    assert counted["before_first_token"] == got[0]["usage"]["prompt_tokens"]
+    assert counted["while_decoding"] >= beside["usage"]["prompt_tokens"]
+    assert beside["modeswitch"]["timings"]["engine_prompt_tokens"]["before_first_token"] == \
+        beside["usage"]["prompt_tokens"]
+
+
 def test_a_prefix_counts_while_the_request_that_computed_it_still_runs(vllm_server):
     """vLLM reuses a prompt's blocks as soon as it has scheduled them; the feature must know that too, or
     requests arriving behind a long one with the same prefix are routed as if nothing were cached."""

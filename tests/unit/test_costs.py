@@ -146,6 +146,27 @@ def test_finished_requests_correct_the_curves_at_the_load_they_met():
     assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
 
 
+def test_an_engine_counting_the_prompts_it_computed_files_a_request_at_them():
+    """A burst's first request found its engine idle, but the prompts that came after it were computed in its step:
+    its time to first token is filed at every prompt its engine computed until then (and at what another engine on
+    its lane had queued), and its time per token less the prompts computed beside its steps, at the prefill
+    curve's seconds per token."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "0"}, engines={"a": "a", "b": "b"},
+                       slots={"a": 8, "b": 8}))
+    costs.add_prefill("a", 100, 0.1)
+    costs.add_prefill("a", 1100, 0.6)  # 0.5 ms a token
+    f = feats(prompt_tokens=100, prefilling_by_mode={"b": 50})
+    costs.observe(Completed("a", f, "ok", 0.45, 0.02, 2.0, 100, 21, 1.0, "estimated", False, False,
+                           loads_met={"a": 4.0}, prefilled_tokens=(800, 200)))
+    assert costs.stream("a").prefill.samples(850) == 1  # 800 on its engine, 50 queued on b
+    # 20 steps in 0.4 s, 200 prompt tokens (0.1 s) of it beside them: 0.015 s a step
+    assert costs.stream("a").step.dump() == [[4.0, 0.015, 1]]
+    costs.observe(Completed("a", f, "ok", 0.45, 0.004, 2.0, 100, 21, 1.0, "estimated", False, False,
+                           loads_met={"a": 4.0}, prefilled_tokens=(800, 200)))  # the prompts were all of it
+    assert costs.stream("a").step.samples(4) == 1
+
+
 def test_an_engine_integrates_its_requests_in_flight_so_a_request_knows_the_loads_it_met(monkeypatch, make_app):
     """What a request's time per token is filed under: the mean requests on its engine from its first token to its
     end, the difference of two readings of the engine's in-flight request-seconds, whatever it found when decided

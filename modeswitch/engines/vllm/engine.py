@@ -73,6 +73,9 @@ class _Live:
     req: GenRequest
     front: "VllmFront"
     prompt_tokens: int
+    #: the engine's count of prompt tokens computed (``VllmRunner.prefilled``) when it was added, and at its first token
+    prefilled_at_add: int = 0
+    prefilled_at_first: int | None = None
     output_ids: list[int] = field(default_factory=list)
     steps: int = 0
     #: scoring requests: vLLM's logprobs of each prompt position, and of the generated token
@@ -153,6 +156,9 @@ class VllmRunner:
         self.energy: EnergyAccountant | None = None
         self.cost: StepCost | None = None
         self.stats = RunnerStats()
+        #: prompt tokens this engine has computed (less what its prefix cache held), counted at each request's first
+        #: token: what a request's time to first token and its steps after it were spent beside (``_prefilled``)
+        self.prefilled = 0
         #: the CPUs its worker computes on, where the backend chose them (else vLLM's own binding)
         self.cpus: list[int] = plugin.engine_cpus(engine_args)
         #: held around every call into the engine from outside its step (adding, aborting: vLLM's input
@@ -237,7 +243,8 @@ class VllmRunner:
             if req.cancelled.is_set():
                 req.emit("done", finish_reason="cancelled", cached_tokens=0)
                 return
-            self._live[req.id] = _Live(req, front, len(req.prompt_ids))  # before vLLM can answer for it
+            # before vLLM can answer for it
+            self._live[req.id] = _Live(req, front, len(req.prompt_ids), prefilled_at_add=self.prefilled)
             try:
                 self.llm.add_request(req.id, {"prompt_token_ids": ids}, params)
             except Exception as exc:  # e.g. a prompt the engine rejects: this request fails, not the runner
@@ -311,11 +318,22 @@ class VllmRunner:
                 self._step_since = None
                 if token is not None:
                     self.energy.end(token)
-            self.stats.record([live for out in outputs if (live := self._live.get(out.request_id)) is not None],
-                              len(self._live))
+            advanced = [(out, live) for out in outputs if (live := self._live.get(out.request_id)) is not None]
+            self.stats.record([live for _, live in advanced], len(self._live))
+            self._prefilled(advanced)
             for out in outputs:
                 self._route(out)
         self._fail_live(self._stop_reason)
+
+    def _prefilled(self, advanced: list[tuple[Any, _Live]]) -> None:
+        """Count the prompts this step completed (those of the requests it gave a first token), before any of them
+        is routed: a request's first token then reads every prompt computed with its own, in this step and before
+        it since it was added, however its step's outputs are ordered."""
+        firsts = [(out, live) for out, live in advanced if live.prefilled_at_first is None and out.outputs[0].token_ids]
+        for out, live in firsts:
+            self.prefilled += max(live.prompt_tokens - (out.num_cached_tokens or 0), 0)
+        for _, live in firsts:
+            live.prefilled_at_first = self.prefilled
 
     def _fail_live(self, error: str) -> None:
         """Every request the engine holds ends with ``error`` (the engine failed a step, or is closing)."""
@@ -452,6 +470,9 @@ class VllmFront(Engine):
             c["prefix_hit_tokens"] += cached_tokens
         if live.req.params.prompt_logprobs is not None:
             info["logprobs"] = scores(live, max(1, live.req.params.prompt_logprobs))
+        if live.prefilled_at_first is not None:  # the prompt tokens computed on its engine before and beside its own
+            info["prefilled_tokens"] = (live.prefilled_at_first - live.prefilled_at_add,
+                                        self.runner.prefilled - live.prefilled_at_first)
         if self.speculative:
             c["spec_steps"] += live.steps
             c["spec_tokens"] += live.generated
