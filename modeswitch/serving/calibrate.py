@@ -5,9 +5,10 @@ on the same machine, model and engine configuration reads the last run's from it
 requests go straight to one of the stream's modes:
 
 - prefill: one request per prompt length in :data:`PROMPT_TOKENS` (random token ids, so no prefix cache
-  holds them), timed to its first token;
+  holds them), timed to its first token, :data:`ROUNDS` times (the fastest counts);
 - step: at each load in :data:`LOADS` up to what the engine batches, that many requests together, each made
-  to generate :data:`TOKENS` tokens (``ignore_eos``), timed per token after the first. A drafting stream's
+  to generate :data:`TOKENS` tokens (``ignore_eos``), timed per token after the first (their median; the
+  fastest of :data:`ROUNDS` such runs counts). A drafting stream's
   requests quote a repeated sequence, so that the drafts are accepted and a step verifies them; its time per
   token is turned into time per target step by the target steps the engine reports.
 
@@ -45,6 +46,9 @@ PROMPT_TOKENS = (16, 64, 256, 1024)
 LOADS = (1, 2, 4, 8, 16)
 #: tokens each step-timing request generates
 TOKENS = 16
+#: times each prompt length and each load is timed; the fastest counts (a machine's noise only adds time: another
+#: process on the core, a page fault, a neighbour on a shared host, so one disturbed timing is not the engine's cost)
+ROUNDS = 2
 #: the longest a calibration request may take before the stream is given up (an engine wedged or far too slow)
 REQUEST_TIMEOUT_S = 300.0
 #: how often the calibration looks for engines to measure once it has measured every one
@@ -181,29 +185,40 @@ class Calibration:
         drafting = state.speculative
         context = self.registry.context_length or 2048
         for n in (n for n in PROMPT_TOKENS if n + 2 <= context):
-            t = _run(state, [self._prompt(n)], 2)[0]
-            if t.error or t.first is None:
-                raise RuntimeError(t.error or "no token")
-            fresh.prefill.add(n, t.first - t.submitted)
+            fresh.prefill.add(n, min(self._prefill(state, n) for _ in range(ROUNDS)))
         slots = max(state.batch_slots, 1)
         for load in (n for n in LOADS if n <= min(slots, state.max_queue)):
-            timed = _run(state, [self._prompt(32, repeat=drafting) for _ in range(load)], TOKENS)
-            joined, _ = self.costs.engine_load(state.name, {n: m.in_flight for n, m in self.registry.modes.items()})
-            per_step = []
-            for t in timed:
-                if t.error or t.first is None or t.done is None or t.tokens < 2:
-                    continue
-                seconds = (t.done - t.first) / (t.tokens - 1)
-                if drafting:
-                    tps = tokens_per_step(t.tokens, t.target_steps)
-                    if tps is None:
-                        continue
-                    seconds *= tps
-                per_step.append(seconds)
-            if not per_step:
-                raise RuntimeError(f"no timed step at load {load}")
-            fresh.step.add(load + joined, statistics.median(per_step))
+            timed = [self._step(state, load, drafting) for _ in range(ROUNDS)]
+            joined, seconds = min(timed, key=lambda t: t[1])
+            fresh.step.add(load + joined, seconds)
         return fresh
+
+    def _prefill(self, state: ModeState, n: int) -> float:
+        """Seconds to the first token of one ``n``-token prompt alone."""
+        t = _run(state, [self._prompt(n)], 2)[0]
+        if t.error or t.first is None:
+            raise RuntimeError(t.error or "no token")
+        return t.first - t.submitted
+
+    def _step(self, state: ModeState, load: int, drafting: bool) -> tuple[float, float]:
+        """The requests on the engine (``load`` of these and any live ones that joined) and the median seconds per
+        (target) step of ``load`` requests run together."""
+        timed = _run(state, [self._prompt(32, repeat=drafting) for _ in range(load)], TOKENS)
+        joined, _ = self.costs.engine_load(state.name, {n: m.in_flight for n, m in self.registry.modes.items()})
+        per_step = []
+        for t in timed:
+            if t.error or t.first is None or t.done is None or t.tokens < 2:
+                continue
+            seconds = (t.done - t.first) / (t.tokens - 1)
+            if drafting:
+                tps = tokens_per_step(t.tokens, t.target_steps)
+                if tps is None:
+                    continue
+                seconds *= tps
+            per_step.append(seconds)
+        if not per_step:
+            raise RuntimeError(f"no timed step at load {load}")
+        return joined, statistics.median(per_step)
 
     def _report(self, stream: str, state: ModeState) -> None:
         curve = self.costs.stream(stream)

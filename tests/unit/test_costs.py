@@ -374,6 +374,29 @@ def test_an_engine_idle_by_measurement_is_measured_again_once_its_curves_are_old
     assert app.complete([95, 66, 67], max_tokens=12)["modeswitch"]["mode"] == "int8+prefix_cache"
 
 
+def test_a_disturbed_calibration_timing_does_not_count(make_app, monkeypatch):
+    """Every prompt length and load is timed twice and the faster counts: here every other timing runs 10x slow
+    (another process on the core), and the curves are the engine's own."""
+    import modeswitch.serving.calibrate as calibrate
+
+    script = Script(token_s=0.002, prompt_token_s=0.0001, batch=4)
+    app = make_app(modes=["prefix_cache"], scripts={"prefix_cache": script})
+    engine, timings = app.backend.engines["prefix_cache"], []
+    real = calibrate._run
+
+    def disturbed(state, prompts, max_tokens):
+        timings.append(slow := len(timings) % 2 == 0)
+        engine.script = replace(script, token_s=0.02, prompt_token_s=0.001) if slow else script
+        return real(state, prompts, max_tokens)
+
+    monkeypatch.setattr(calibrate, "_run", disturbed)
+    costs = calibrate.Calibration(app.service.registry, app.service.costs, app.service.rebind).measure(
+        "prefix_cache", app.service.registry.modes["prefix_cache"])
+    assert len(timings) == 2 * (len(calibrate.PROMPT_TOKENS) + 3)  # loads 1, 2, 4: its batch
+    assert all(seconds < 0.006 for _, seconds, _ in costs.step.dump())
+    assert costs.prefill.at(1024) < 0.5  # 1024 tokens at 0.1 ms, not 1 ms
+
+
 def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
     """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it (as
     measured): a burst of 8 is predicted cheaper split than piled on one lane."""
