@@ -78,3 +78,27 @@ def test_the_draft_bound_applies_to_lists_and_tensors_and_refuses_anything_else(
     assert sampled_rows(padded) == as_lists
     with pytest.raises(TypeError, match="cannot bound drafts"):
         sampled_rows({"not": "rows"})
+
+
+@needs_vllm
+def test_a_float32_engine_keeps_its_int8_linears_off_the_amx_kernel(monkeypatch):
+    """On an AMX CPU vLLM sends W8A8 int8 linears to sgl-kernel's matmul, which takes 16-bit activations only: in a
+    float32 engine (torch's default dtype while vLLM processes the weights) they go to oneDNN's instead."""
+    import importlib
+
+    from modeswitch.engines.vllm import plugin
+
+    cpu = importlib.import_module(compat.TARGETS["cpu_sgl_check"].module)
+    monkeypatch.setattr(compat, "_replaced", {})
+    monkeypatch.setattr(cpu, "check_cpu_sgl_kernel", lambda n, k, dtype: True)  # as vLLM answers on an AMX CPU
+    plugin.keep_int8_off_amx_in_float32()
+    check = cpu.check_cpu_sgl_kernel
+    assert check(64, 64, torch.int8) is False and check(64, 64, torch.bfloat16) is True
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        assert check(64, 64, torch.int8) is True
+    finally:
+        torch.set_default_dtype(default)
+    plugin.keep_int8_off_amx_in_float32()
+    assert cpu.check_cpu_sgl_kernel is check  # once

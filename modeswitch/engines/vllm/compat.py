@@ -94,7 +94,7 @@ class Target:
         return None
 
 
-#: every symbol replaced (first eight, and the gloo group) or read privately, by the name the code uses for it
+#: every symbol replaced (first nine, and the gloo group) or read privately, by the name the code uses for it
 TARGETS: dict[str, Target] = {
     # plugin.keep_worker_in_engine_process: the CPU platform's switch to a worker process, undone per engine
     "cpu_platform_config": Target("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
@@ -116,6 +116,10 @@ TARGETS: dict[str, Target] = {
     # drafting.fix_empty_drafts: the rejection sampler's constraints on drafted positions, skipped when none are
     "sampling_constraints": Target("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints",
                                    ("logits", "cu_num_draft_tokens", "sampling_metadata")),
+    # plugin.keep_int8_off_amx_in_float32: which CPU linears vLLM sends to sgl-kernel's AMX matmuls, as its W8A8
+    # int8 kernel reads it (by the name it imported)
+    "cpu_sgl_check": Target("vllm.model_executor.kernels.linear.scaled_mm.cpu", "check_cpu_sgl_kernel",
+                            ("n", "k", "dtype")),
     # plugin.fork_engine_processes: the context vLLM's engine-core process manager starts its processes from
     "engine_mp_context": Target("vllm.v1.engine.utils", "get_mp_context", ()),
     # plugin.share_gloo_device: torch's gloo group, built with private options naming its devices

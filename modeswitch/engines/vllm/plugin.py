@@ -20,8 +20,9 @@ torch's ``new_group`` ignores gloo options, so the only place to pass the device
 Only in engines ModeSwitch starts (``backends.vllm.start`` sets ``ENV`` unless it is set: ``0`` keeps torch's device per
 group).
 
-And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine; in the server, it has vLLM
-start engine-core processes from a fork server that imported vLLM once (:mod:`.forkserver`).
+And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine, keeps a float32 engine's
+W8A8 int8 linears off an AMX kernel that takes only 16-bit activations; in the server, it has vLLM start
+engine-core processes from a fork server that imported vLLM once (:mod:`.forkserver`).
 
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
 neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
@@ -64,6 +65,7 @@ def register() -> None:
     if in_engine_process():
         drafting.fix_cpu_expand()
         drafting.fix_empty_drafts()
+        keep_int8_off_amx_in_float32()
     else:
         fork_engine_processes()
     leave_with_parent()
@@ -73,6 +75,27 @@ def register() -> None:
     logs.quiet_libraries()
     if in_engine_process():
         keep_heap_trimmed()  # what loading the weights and compiling the graphs freed goes back to the system
+
+
+def keep_int8_off_amx_in_float32() -> None:
+    """vLLM sends a W8A8 int8 linear to sgl-kernel's AMX matmul wherever the CPU has AMX, whatever the model's dtype,
+    and that matmul takes bf16 or fp16 activations only: an int8 engine computing in float32 (``--dtype float32``)
+    dies at its first step ("int8_scaled_mm_with_quant: expect A to be bfloat16 or half"). In float32 such a layer
+    goes to oneDNN's int8 matmul, as on a CPU without AMX. The model's dtype is torch's default dtype while vLLM
+    processes the loaded weights, which is when it asks. Idempotent."""
+    import torch
+
+    check = compat.original("cpu_sgl_check")
+    if getattr(check, "float32_to_onednn", False):
+        return
+
+    def check_cpu_sgl_kernel(n: int, k: int, dtype: torch.dtype) -> bool:
+        if dtype == torch.int8 and torch.get_default_dtype() not in (torch.bfloat16, torch.float16):
+            return False
+        return check(n, k, dtype)
+
+    check_cpu_sgl_kernel.float32_to_onednn = True  # type: ignore[attr-defined]
+    compat.replace("cpu_sgl_check", check_cpu_sgl_kernel)
 
 
 def modeswitch_process() -> bool:
