@@ -22,7 +22,8 @@ from modeswitch.serving.launcher import ROOT
 from openai_checks import assert_most_likely
 
 #: prompts whose greedy continuations on the demo are known: counting repeats " 1, 1, ..."; the pair repeats
-#: " a b a b" (a presence or frequency penalty of 2 breaks it within 4 tokens); the question ends after "No"
+#: " a b a b" on most modes (a presence or frequency penalty of 2 breaks it within 4 tokens; the GPTQ weights on
+#: vLLM's AVX512 kernel answer in prose, which repeats a token within 16); the question ends after "No"
 COUNTING, OPEN, REPEATING = "1, 1, 1, 1, 1,", "My favourite animal is", "a b a b a b a b"
 SHORT_ANSWER = [{"role": "user", "content": "Reply with one word: yes or no. Is the sky blue?"}]
 COMMA = 28  # the demo's "," token
@@ -86,7 +87,7 @@ def _restricts_to_the_likeliest(**option) -> Callable[[Pinned], None]:
 
 def _breaks_repetition(**option) -> Callable[[Pinned], None]:
     def check(m: Pinned) -> None:
-        assert m.text(REPEATING, 4, **option) != m.greedy(REPEATING, 4)
+        assert m.text(REPEATING, 16, **option) != m.greedy(REPEATING, 16)
     return check
 
 
