@@ -298,9 +298,9 @@ def test_an_engine_counts_the_prompts_it_computed_before_and_beside_a_request(vl
     steps = lambda: modes(vllm_server)["engines"]["fp16"]["steps"]  # noqa: E731
     got: list[dict] = []
     first_steps = steps()
-    runner = threading.Thread(target=lambda: got.append(requests.post(vllm_server + "/v1/completions", timeout=300, json={
-        "model": "demo", "prompt": LONG, "max_tokens": 256, "ignore_eos": True, "temperature": 0,
-        "mode": "fp16"}).json()))
+    body = {"model": "demo", "prompt": LONG, "max_tokens": 256, "ignore_eos": True, "temperature": 0, "mode": "fp16"}
+    runner = threading.Thread(target=lambda: got.append(
+        requests.post(vllm_server + "/v1/completions", timeout=300, json=body).json()))
     runner.start()
     deadline = time.monotonic() + 120
     while steps() < first_steps + 4 and time.monotonic() < deadline:  # it decodes
