@@ -323,15 +323,13 @@ class CostModel:
         seconds = completed.tpot_s
         if prefilled is not None and prefilled[1] > 0:  # less the prompts its steps computed beside its own token
             seconds -= prefilled[1] * (self.stream(stream).prefill.slope() or 0.0) / (completed.completion_tokens - 1)
-            if seconds <= 0:
-                return
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
             per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
             if per_step is None:
                 return
             self._add_yield(stream, own, per_step, f.draft_tokens_per_step)
             seconds *= per_step
-        if not others:
+        if not others and seconds > 0:  # nothing left of it once the prompts beside it are taken out: not a step
             self.add_step(stream, own, seconds)
 
     def _add_yield(self, stream: str, load: float, got: float, predicted: float) -> None:

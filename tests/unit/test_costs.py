@@ -167,6 +167,21 @@ def test_an_engine_counting_the_prompts_it_computed_files_a_request_at_them():
     assert costs.stream("a").step.samples(4) == 1
 
 
+def test_a_drafting_request_whose_steps_were_all_prompts_still_teaches_its_yield():
+    """Nothing of its time per step is left once the prompts beside it are taken out: no step is filed, but the
+    drafting gain it got is."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"d": "e drafting"}, lanes={}, engines={"d": "e"}, slots={"d": 8},
+                       drafting=frozenset({"d"})))
+    costs.add_prefill("e drafting", 100, 0.1)
+    costs.add_prefill("e drafting", 1100, 0.6)  # 0.5 ms a token
+    f = feats(prompt_tokens=100, draft_tokens_per_step=3.0)
+    costs.observe(Completed("d", f, "ok", 0.1, 0.004, 1.0, 100, 21, 1.0, "estimated", False, False, target_steps=11,
+                            loads_met={"d": 2.0}, prefilled_tokens=(100, 200)))
+    assert not costs.stream("e drafting").step.measured
+    assert costs.stream("e drafting").draft_yield.at(2) == pytest.approx(0.5)  # 2 tokens a step of 3 promised
+
+
 def test_an_engine_integrates_its_requests_in_flight_so_a_request_knows_the_loads_it_met(monkeypatch, make_app):
     """What a request's time per token is filed under: the mean requests on its engine from its first token to its
     end, the difference of two readings of the engine's in-flight request-seconds, whatever it found when decided
