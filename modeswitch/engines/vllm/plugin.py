@@ -35,8 +35,6 @@ from __future__ import annotations
 import functools
 import os
 
-import torch
-
 from . import compat, drafting, forkserver
 
 #: Set to "1" in the environment of the engines that share one gloo device.
@@ -85,6 +83,8 @@ def keep_int8_off_amx_in_float32() -> None:
     dies at its first step ("int8_scaled_mm_with_quant: expect A to be bfloat16 or half"). In float32 such a layer
     goes to oneDNN's int8 matmul, as on a CPU without AMX. The model's dtype is torch's default dtype while vLLM
     processes the loaded weights, which is when it asks. Idempotent."""
+    import torch
+
     check = compat.original("cpu_sgl_check")
     if getattr(check, "float32_to_onednn", False):
         return
@@ -214,6 +214,8 @@ def bind_worker_threads() -> None:
     def init_device(self) -> None:
         cpus = _named_cpus(getattr(self.vllm_config, "additional_config", None))
         if _one_process(self.vllm_config) and cpus:
+            import torch
+
             os.sched_setaffinity(0, cpus)
             torch.set_num_threads(len(cpus))
         init(self)
