@@ -203,14 +203,22 @@ def test_a_dead_engine_comes_back_each_time_and_a_crash_loop_waits_its_backoff(m
         fp16.engine.watch(lambda down, restarting: health.append((down, restarting)))
 
         def kill_and_wait(timeout: float) -> float:
-            dead = fp16.engine.runner
+            """Kill the engine and wait for it to serve again; then for the compiled start behind the eager one
+            it came back as, so that the next kill finds the engine that serves (a kill racing that swap would
+            end an engine already replaced)."""
+            dead, runs = fp16.engine.runner, len(SleeperRunner.runs)
             dead.proc.kill()
             killed = time.monotonic()
             deadline = killed + timeout
             while fp16.engine.runner is dead and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert fp16.engine.runner is not dead, backend.describe()["fp16"]
-            return time.monotonic() - killed
+            took = time.monotonic() - killed
+            deadline = time.monotonic() + 10
+            while fp16.engine.runner.engine_args["enforce_eager"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert SleeperRunner.runs[runs:] == [("fp16", False), ("fp16", True)]  # back eager, compiled behind
+            return took
 
         for death in (1, 2):
             assert kill_and_wait(5) < 2  # found within SUPERVISE_S, started at once
