@@ -517,7 +517,7 @@ CURVES_VERSION = 6
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:
     """The key a stream's measurements are kept under: the curves' version, the machine, the model, the engine
     family, the stream, and what its mode's card says of the engine (kernels, eager or compiled, the cores it is
-    pinned to). Measurements taken under another key are never read for it."""
-    engine = {k: details[k] for k in ("kernels", "decode", "draft") if k in details}
+    pinned to, whether it drafts for any of its modes). Measurements taken under another key are never read for it."""
+    engine = {k: details[k] for k in ("kernels", "decode", "draft", "engine_drafts") if k in details}
     engine["cpus"] = len(details.get("cpus", ()))
     return json.dumps([CURVES_VERSION, machine, model, backend, stream, engine], sort_keys=True)

@@ -180,6 +180,12 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
     batch = sum(spec.max_queue for spec in load_modes() if spec.name in engines["fp16"]["modes"])
     assert {cards[m]["max_queue"] for m in engines["fp16"]["modes"]} == {batch} and batch > 8
     assert not int8_modes or set(engines["int8"]["modes"]) == int8_modes
+    # an engine serving a speculative mode drafts for it: every mode on it says so (their costs are measured apart
+    # from a plain engine's); the int8 batch's engine, with int8+speculative on an engine of its own, for none
+    drafts = {m: cards[m].get("engine_drafts") for e in engines.values() for m in e["modes"]}
+    assert {drafts[m] for m in engines["fp16"]["modes"]} == {"ngram"}
+    if int8_modes and len(os.sched_getaffinity(0)) > 1:
+        assert {drafts[m] for m in int8_modes} == {None} and drafts["int8+speculative"] == "ngram"
     # on a CPU each engine computes on its own CPUs where it can: the int8 batch and the int8 drafting engine,
     # the two a burst is spread over, never on the same ones (vLLM would bind both to the first core)
     if int8_modes and len(os.sched_getaffinity(0)) > 1:

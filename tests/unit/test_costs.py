@@ -238,6 +238,11 @@ def test_measurements_are_kept_under_their_key_and_read_back_by_the_same_engine(
     other = CostModel(path)  # the same engine on an AVX-512 machine reads nothing of it
     other.bind(replace(binding, keys={"fp16": stream_key("cpu X [avx2 avx512f] x2", "demo", "vllm", "fp16", card)}))
     assert not other.measured("fp16")
+    # the same engine drafting for a speculative mode on it: its plain requests take vLLM's drafting path too
+    drafts = stream_key("cpu X [avx2] x2", "demo", "vllm", "fp16", {**card, "engine_drafts": "ngram"})
+    drafting = CostModel(path)
+    drafting.bind(replace(binding, keys={"fp16": drafts}))
+    assert not drafting.measured("fp16")
 
 
 def test_an_engine_slower_at_every_load_than_another_on_its_cores_is_idle_by_measurement():

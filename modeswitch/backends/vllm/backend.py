@@ -83,9 +83,12 @@ class VllmBackend:
                                    "kernels": {**runner.kernels, "engine": f"vllm:{key}"}}
         if runner.cpus:
             details["cpus"] = runner.cpus
-        if spec.speculative is not None:
-            draft = runner.engine_args["speculative_config"]
-            details["draft"] = draft.get("method") or draft.get("model")
+        if (draft := runner.engine_args.get("speculative_config")) is not None:
+            # the engine drafts for its speculative modes: every request on it takes vLLM's drafting path (its
+            # costs are measured apart from an engine's that does not, see ``controller.costs.stream_key``)
+            details["engine_drafts"] = draft.get("method") or draft.get("model")
+            if spec.speculative is not None:
+                details["draft"] = details["engine_drafts"]
         drafts = spec.speculative.num_tokens if spec.speculative is not None else 0
         engine = VllmFront(spec.name, runner, spec.prefix_cache, drafts)
         served.add(engine, details)
