@@ -4,7 +4,8 @@ One trace of four phases (``modeswitch.bench.phases``): a lull at 1 client where
 their prompt (a list, code, a paragraph) and half write prose; a burst of prose continuations at 12 clients;
 questions about one shared document at 4 clients; a lull again. All greedy, streamed over HTTP, the same
 token ids to every server. Per server and phase: mean and p90 end-to-end latency, output tok/s over the
-phase's wall time, the tokens generated, and (ModeSwitch) the modes that served.
+phase's wall time, the tokens generated, the cores its front ends (HTTP, tokenizing, routing, engine clients) and
+its engines kept busy (CPU seconds over wall seconds), and (ModeSwitch) the modes that served.
 
 Servers run one at a time (nothing else running; ModeSwitch's engines and three vLLM servers do not fit in
 memory together here): start, one warm-up trace (other prompts, not counted: first-shape compilation, and
@@ -81,14 +82,16 @@ def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
 
 def run_trace(server: Server, tokenizer, run: int, mode: str | None = None) -> list[dict]:
     """Every phase of run ``run`` in order, each at its own concurrency (every request pinned to ``mode`` if
-    given); records tagged with phase and wall time."""
+    given); records tagged with phase, wall time and the CPU seconds the server's front ends and engines used in
+    the phase."""
     records = []
     for phase in phases(tokenizer, run):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), server.cpu_seconds()
         got = send(server.urls, list(phase.slots), mode=mode, concurrency=phase.concurrency)
         wall = time.perf_counter() - t0
+        front, engines = (after - before for before, after in zip(cpu0, server.cpu_seconds()))
         for r in got:
-            r.update(phase=phase.name, phase_wall_s=wall, run=run)
+            r.update(phase=phase.name, phase_wall_s=wall, phase_front_cpu_s=front, phase_engine_cpu_s=engines, run=run)
         failed = [r for r in got if not r["ok"]]
         if failed:
             raise RuntimeError(f"{server.label}: {len(failed)} of {len(got)} requests failed in {phase.name}: "
@@ -114,9 +117,14 @@ def summarize(records: list[dict]) -> dict:
         by_run.setdefault(r["run"], []).append(r)
     run_means = [statistics.fmean(r["latency_s"] for r in rs) for rs in by_run.values()]
     walls = {(r["run"], r["phase"]): r["phase_wall_s"] for r in records}
+    front = {(r["run"], r["phase"]): r["phase_front_cpu_s"] for r in records}
+    engines = {(r["run"], r["phase"]): r["phase_engine_cpu_s"] for r in records}
     tokens = sum(r["tokens"] for r in records)
     return {"requests": len(records), "mean_s": statistics.fmean(lat), "p90_s": pct(lat, 0.9),
             "run_means_s": run_means, "tokens": tokens, "out_tok_s": tokens / sum(walls.values()),
+            # the cores its front ends (HTTP, tokenizing, routing, the engine clients) and engines kept busy
+            "front_cores": sum(front.values()) / sum(walls.values()),
+            "engine_cores": sum(engines.values()) / sum(walls.values()),
             "modes": dict(Counter(r["mode"] for r in records if r.get("mode")))}
 
 
@@ -243,7 +251,8 @@ def report(summary: dict[str, dict[str, dict]]) -> str:
         for p in PHASES:
             s = phases_[p]
             cells.append(f"{s['mean_s']:.3f} s ({min(s['run_means_s']):.3f}-{max(s['run_means_s']):.3f}), "
-                         f"p90 {s['p90_s']:.2f}, {s['out_tok_s']:.0f} tok/s, {s['tokens']} tok")
+                         f"p90 {s['p90_s']:.2f}, {s['out_tok_s']:.0f} tok/s, {s['tokens']} tok, "
+                         f"CPU {s['front_cores']:.2f} front + {s['engine_cores']:.2f} engines")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     reference = [label for label in summary if label.startswith(f"vLLM {REFERENCE_DTYPE}")]
     every = [label for label in summary if label.startswith("vLLM")]

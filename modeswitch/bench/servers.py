@@ -126,6 +126,12 @@ class Server:
             wait_calibrated(self.url)  # and every engine's costs measured
             self.calibrated_s = time.perf_counter() - t0
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds its front ends and its engines have used (:func:`cpu_seconds` summed over a per-core row's
+        servers)."""
+        used = [cpu_seconds(proc.pid) for proc in (self.proc, *(p for p, _ in self.others))]
+        return sum(front for front, _ in used), sum(engines for _, engines in used)
+
     def stop(self) -> None:
         if self.proc is None:
             return
