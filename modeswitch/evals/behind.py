@@ -4,9 +4,10 @@ A mode is pending when the shipped gate report has rows for it scored on other k
 verdict, see :func:`modeswitch.controller.quality.judge_mode`). Once every mode is up, :class:`PendingScorer` runs
 the gate's tasks on the pending modes and on the reference (every delta is paired with the reference scored on
 the same kernels) through the server's own service: the engines that serve, as a pinned request reaches them.
-It sends one request at a time, each only once no request has been in flight for :data:`QUIET_S` (steady traffic
-pauses it; it goes on in the gaps), so a request waits at most for one scoring request (a prompt scored, or one
-short generation) sent in such a gap. The run goes into the controller's cache directory under the report's file
+It sends one request at a time, each once no request has been in flight for :data:`QUIET_S` (it goes on in the
+gaps), so a request waits at most for one scoring request (a prompt scored, or one short generation) sent in such a
+gap. Traffic that leaves no such gap slows it to :data:`BUSY_SHARE` of the time instead of stopping it: a machine
+whose kernels no shipped run covers judges its quantized modes under steady traffic too, in a bounded time. The run goes into the controller's cache directory under the report's file
 name (:func:`~modeswitch.evals.gate.add_run`), where the next start on the same kernels finds it, and the report is
 read again: the modes' verdicts replace ``pending``.
 
@@ -41,6 +42,9 @@ POLL_S = 0.05
 QUIET_S = 2.0
 #: how often a scorer waiting for another server's run on the shared cache tries its lock again
 LOCK_POLL_S = 1.0
+#: under traffic that leaves no quiet gap, the share of the time the scorer's requests (one at a time) may still
+#: take: after a request it waits (1 - share) / share times as long as that request took, then sends the next
+BUSY_SHARE = 0.1
 
 
 class PendingScorer:
@@ -49,8 +53,11 @@ class PendingScorer:
     own do not pass through)."""
 
     def __init__(self, service: Service, idle_s: Callable[[], float], tasks=TASKS, limit: int | None = LIMIT,
-                 quiet_s: float = QUIET_S, progress: Callable[[str], None] = log.info) -> None:
-        self.service, self.idle_s, self.quiet_s = service, idle_s, quiet_s
+                 quiet_s: float = QUIET_S, progress: Callable[[str], None] = log.info,
+                 busy_share: float = BUSY_SHARE) -> None:
+        self.service, self.idle_s, self.quiet_s, self.busy_share = service, idle_s, quiet_s, busy_share
+        #: when the last scoring request was sent (``time.monotonic()``; None before the first)
+        self._sent_at: float | None = None
         self.tasks, self.limit, self.progress = tuple(tasks), limit, progress
         self._stop = threading.Event()
         #: the longest one scoring request took, first token to last: the most a request arriving meanwhile
@@ -149,11 +156,18 @@ class PendingScorer:
 
     def wait_quiet(self) -> None:
         """Return once the server has had no request in flight for :attr:`quiet_s` and no mode is busy (the
-        scorer's own requests have finished before it asks)."""
+        scorer's own requests have finished before it asks); or, under traffic that leaves no such gap, once the
+        scorer's requests would take no more than :attr:`busy_share` of the time: after waiting (1 - share) /
+        share times as long as its last request took (the first: as if it took :attr:`quiet_s`)."""
         modes = self.service.registry.modes
-        while self.idle_s() < self.quiet_s or any(state.in_flight for state in modes.values()):
+        now = time.monotonic()
+        took = now - self._sent_at if self._sent_at is not None else self.quiet_s
+        busy_until = now + took * (1.0 - self.busy_share) / self.busy_share
+        while ((self.idle_s() < self.quiet_s or any(state.in_flight for state in modes.values()))
+               and time.monotonic() < busy_until):
             if self._stop.wait(POLL_S):
                 raise RuntimeError("the server is stopping")
+        self._sent_at = time.monotonic()
 
 
 def score_behind(server: Server) -> PendingScorer | None:

@@ -154,6 +154,42 @@ def test_v1_modes_and_the_answer_say_the_gate_is_pending(make_app, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- scoring here
+def test_traffic_without_a_quiet_gap_slows_the_scorer_to_its_share_of_the_time(make_app):
+    """Requests back to back, never a quiet gap: the scorer still sends, after waiting (1 - share) / share times as
+    long as its last request took (share 0.5 here: as long), the first as if it had taken the quiet period."""
+    import threading
+
+    from modeswitch.evals.behind import PendingScorer
+    from modeswitch.testing.engine import Script
+
+    app = make_app(modes=("fp16",), scripts={"fp16": Script(token_s=0.02)})
+    url, stop = app.serve(), threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            requests.post(url + "/v1/completions", timeout=30,
+                          json={"prompt": "Hello", "max_tokens": 10, "temperature": 0, "mode": "fp16"})
+
+    scorer = PendingScorer(app.service, app.assembled.admission.idle_s, quiet_s=0.5, busy_share=0.5,
+                           progress=lambda line: None)
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        time.sleep(0.3)
+        waited = time.perf_counter()
+        scorer.wait_quiet()  # no gap of 0.5 s comes: sent after 0.5 s
+        first = time.perf_counter() - waited
+        time.sleep(0.3)  # its request took 0.3 s
+        waited = time.perf_counter()
+        scorer.wait_quiet()
+        second = time.perf_counter() - waited
+        assert app.assembled.admission.idle_s() < 0.5  # the traffic never paused
+    finally:
+        stop.set()
+        sender.join()
+    assert 0.45 < first < 1.5 and 0.25 < second < 1.2, (first, second)
+
+
 def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_run(make_app, tmp_path):
     """The scorer runs lm-eval (one cloze task, 4 documents) on the pending mode and the reference through the
     server's own service, sends nothing until the server has been quiet a while, keeps the run under the report's
