@@ -7,9 +7,10 @@ the same kernels) through the server's own service: the engines that serve, as a
 It sends one request at a time, each once no request has been in flight for :data:`QUIET_S` (it goes on in the
 gaps), so a request waits at most for one scoring request (a prompt scored, or one short generation) sent in such a
 gap. Traffic that leaves no such gap slows it to :data:`BUSY_SHARE` of the time instead of stopping it: a machine
-whose kernels no shipped run covers judges its quantized modes under steady traffic too, in a bounded time. The run goes into the controller's cache directory under the report's file
-name (:func:`~modeswitch.evals.gate.add_run`), where the next start on the same kernels finds it, and the report is
-read again: the modes' verdicts replace ``pending``.
+whose kernels no shipped run covers judges its quantized modes under steady traffic too, in a bounded time. The run
+goes into the controller's cache directory under the report's file name (:func:`~modeswitch.evals.gate.add_run`),
+where the next start on the same kernels finds it, and the report is read again: the modes' verdicts replace
+``pending``.
 
 :func:`score_behind` starts it for an assembled server, the single one (``server.py``) and each replica of a cluster
 (``cluster/replica.py``) alike. Servers that share the cache (a cluster's replicas on one machine) score one at a
