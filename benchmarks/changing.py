@@ -116,15 +116,15 @@ def summarize(records: list[dict]) -> dict:
     for r in records:
         by_run.setdefault(r["run"], []).append(r)
     run_means = [statistics.fmean(r["latency_s"] for r in rs) for rs in by_run.values()]
-    walls = {(r["run"], r["phase"]): r["phase_wall_s"] for r in records}
-    front = {(r["run"], r["phase"]): r["phase_front_cpu_s"] for r in records}
-    engines = {(r["run"], r["phase"]): r["phase_engine_cpu_s"] for r in records}
+    # each phase of each run once: its wall seconds, and the CPU seconds of the server's front ends and engines
+    phase_runs = {(r["run"], r["phase"]): (r["phase_wall_s"], r["phase_front_cpu_s"], r["phase_engine_cpu_s"])
+                  for r in records}
+    wall, front, engines = (sum(column) for column in zip(*phase_runs.values()))
     tokens = sum(r["tokens"] for r in records)
     return {"requests": len(records), "mean_s": statistics.fmean(lat), "p90_s": pct(lat, 0.9),
-            "run_means_s": run_means, "tokens": tokens, "out_tok_s": tokens / sum(walls.values()),
+            "run_means_s": run_means, "tokens": tokens, "out_tok_s": tokens / wall,
             # the cores its front ends (HTTP, tokenizing, routing, the engine clients) and engines kept busy
-            "front_cores": sum(front.values()) / sum(walls.values()),
-            "engine_cores": sum(engines.values()) / sum(walls.values()),
+            "front_cores": front / wall, "engine_cores": engines / wall,
             "modes": dict(Counter(r["mode"] for r in records if r.get("mode")))}
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
-from modeswitch.bench.servers import CLI, REFERENCE_DTYPE, Server, cpu_seconds, vllm_row  # noqa: E402
+from modeswitch.bench.servers import CLI, REFERENCE_DTYPE, Server, vllm_row  # noqa: E402
 from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
 
@@ -107,10 +107,10 @@ def main() -> int:
             for server, seed in order:
                 server.start(model_dir, args.model, tmp)
                 for workload in workloads:
-                    before = cpu_seconds(server.proc.pid)
+                    before = server.cpu_seconds()
                     r = bench(server.url, args.model, model_dir, workload, tmp / f"{servers.index(server)}-{workload}-{seed}.json",
                               seed, args.prompts, args.concurrency)
-                    r["front_cpu_s"], r["engine_cpu_s"] = (b - a for a, b in zip(before, cpu_seconds(server.proc.pid)))
+                    r["front_cpu_s"], r["engine_cpu_s"] = (b - a for a, b in zip(before, server.cpu_seconds()))
                     results[(server.label, workload)].append(r)
                     print(f"  {server.label}, {workload}, seed {seed}: {r['output_throughput']:.1f} out tok/s, "
                           f"TTFT p50 {r['median_ttft_ms']:.0f} ms, CPU front {r['front_cpu_s']:.1f} s, "
