@@ -210,7 +210,7 @@ def main() -> int:
 PHASES = ("lull", "burst", "shared_prefix", "lull2", "overall")
 #: what a saved record keeps of the features a ModeSwitch server decided on
 KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain",
-                 "in_flight_by_mode", "prefilling_by_mode")
+                 "in_flight_by_mode", "prefilling_by_mode", "decode_overlap_by_mode")
 
 
 def decision_us(records: dict[str, list[dict]]) -> dict[str, dict[str, float]]:

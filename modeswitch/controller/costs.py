@@ -22,13 +22,18 @@ two buckets' slope after the last): nothing in a prediction is a constant that t
 A request ``r`` on mode ``m`` of engine ``e`` running ``n`` requests, on a lane running ``b`` requests (``e``'s
 and other engines'), ``q`` prompt tokens of them not computed yet, is predicted to take
 
-    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + steps(r) x (step_e(n + 1) + beside_e)
-    delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q) + steps(r) x (step_e(n + 1) - step_e(n)))
+    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + steps(r) x (step_e(1 + o_e) + beside_e)
+    delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q)) + o x steps(r) x (step_e(n + 1) - step_e(n))
 
-where ``steps(r)`` is ``(max_tokens - 1) / tokens_per_step(m, r)``: ``tokens_per_step`` is 1 for a plain mode
+where ``o_e`` counts the requests running on ``e`` by the share of ``r``'s tokens each may still generate beside
+it (min(its tokens left, r's max_tokens) / r's max_tokens: ``Features.decode_overlap_by_mode``), so that
+``1 + o_e`` (read to a quarter of a request) is the mean load ``r``'s steps meet from them, as the step curve is
+measured, and a burst's requests near their end count little; ``o`` is the same over the lane (each of them is
+slowed only while it runs beside ``r``);
+``steps(r)`` is ``(max_tokens - 1) / tokens_per_step(m, r)``: ``tokens_per_step`` is 1 for a plain mode
 and, for a speculative one, 1 plus the drafting gain learned for this kind of request (:mod:`.speculation`, which
 replays drafting at its full bound) times the share of that gain the engine's drafting requests got at load
-``n + 1`` (a third curve, ``draft_yield``, from every finished drafting request: an engine that drafts less when
+``1 + o_e`` (a third curve, ``draft_yield``, from every finished drafting request: an engine that drafts less when
 busy, as the vLLM engines' drafting budget does on a CPU, delivers less of it there; all of it until measured);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
@@ -356,19 +361,28 @@ class CostModel:
         engine_lane, engine_stream = self._engine_lane, self._engine_stream
         on_lane: dict[str, int] = {}
         on_engine: dict[str, int] = {}
+        # the same counted by the share of this request's tokens each may still generate beside it: the loads its
+        # steps would meet (the requests counted whole where that share is not known)
+        met_lane: dict[str, float] = {}
+        met_engine: dict[str, float] = {}
+        overlap = features.decode_overlap_by_mode
         for m, n in features.in_flight_by_mode.items():
             if n:
                 lane, engine = places.get(m) or ("", m)
+                x = n if overlap is None else overlap.get(m, 0.0)
                 on_lane[lane] = on_lane.get(lane, 0) + n
                 on_engine[engine] = on_engine.get(engine, 0) + n
+                met_lane[lane] = met_lane.get(lane, 0.0) + x
+                met_engine[engine] = met_engine.get(engine, 0.0) + x
         queued: dict[str, int] = {}  # lane -> prompt tokens its requests have not computed yet
         for m, n in features.prefilling_by_mode.items():
             if n:
                 lane = places[m][0] if m in places else ""
                 queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
-        #: lane -> (requests, prompt tokens not computed, one step of each busy engine) on the lanes near it
-        near_lanes: dict[str, tuple[int, int, float]] = {}
+        #: lane -> (requests, prompt tokens not computed, one step of each busy engine, the requests counted by their
+        #: share of this request's steps) on the lanes near it
+        near_lanes: dict[str, tuple[int, int, float, float]] = {}
         #: stream -> what its modes' predictions share (None: not measured)
         shared: dict[str, tuple | None] = {}
         # modes on one stream with the same prompt left to compute cost the same (fp16 and continuous_batching
@@ -380,18 +394,19 @@ class CostModel:
             costs = streams.get(engine_stream.get(engine, engine))
             return (costs.step.at(on_engine[engine]) or 0.0) if costs is not None else 0.0
 
-        def lane_state(lane: str) -> tuple[int, int, float]:
+        def lane_state(lane: str) -> tuple[int, int, float, float]:
             state = near_lanes.get(lane)
             if state is None:
-                close, load, ahead, turn = near.get(lane, ("",)), 0, 0, 0.0
+                close, load, ahead, turn, met = near.get(lane, ("",)), 0, 0, 0.0, 0.0
                 for x in close:
                     load += on_lane.get(x, 0)
                     ahead += queued.get(x, 0)
+                    met += met_lane.get(x, 0.0)
                 if load:  # engines sharing cores take turns: a step waits for one step of each other busy one
                     for engine in on_engine:
                         if engine_lane.get(engine, "") in close:
                             turn += busy_step(engine)
-                state = near_lanes[lane] = (load, ahead, turn)
+                state = near_lanes[lane] = (load, ahead, turn, met)
             return state
 
         def share(stream: str, lane: str, engine: str, slots: int, drafting: bool) -> tuple | None:
@@ -399,19 +414,20 @@ class CostModel:
             if costs is None or not costs.measured:
                 return None
             step_at = costs.step.at
-            lane_load, ahead, turn = lane_state(lane)
+            lane_load, ahead, turn, lane_met = lane_state(lane)
             mine = on_engine.get(engine, 0)
-            own_step = step_at(mine + 1)
+            meets = round(met_engine.get(engine, 0.0) * 4) / 4 + 1  # to a quarter: a curve keeps what it has read
+            own_step = step_at(meets)
             # the other busy engines' turns (an engine not measured yet is counted at nothing)
             step = own_step + (turn - busy_step(engine) if mine else turn) if lane_load > mine else own_step
             steps = max_tokens - 1
             if drafting and tokens_per_step > 1:  # the gain predicted, in the share this engine delivers at the load
-                delivered = costs.draft_yield.at(mine + 1)
+                delivered = costs.draft_yield.at(meets)
                 steps /= 1.0 + (tokens_per_step - 1.0) * (1.0 if delivered is None else delivered)
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
-            growth = max(own_step - step_at(mine), 0.0) if mine else own_step
-            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, growth,
+            growth = max(step_at(mine + 1) - step_at(mine), 0.0) if mine else step_at(1)
+            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth,
                     costs.prefill.at(ahead) if ahead and lane_load else 0.0)
 
         def predict(mode: str) -> Prediction | None:
@@ -426,10 +442,10 @@ class CostModel:
             if terms is None:
                 known[key] = None
                 return None
-            prefill_at, lane_load, ahead, steps, decode, wait, growth, prefill_ahead = terms
+            prefill_at, lane_load, ahead, steps, decode, wait, slowed, prefill_ahead = terms
             prefill = prefill_at(ahead + key[1])
-            # its prompt stalls every request on the lane; each of its steps lengthens theirs
-            delay = lane_load * (max(prefill - prefill_ahead, 0.0) + steps * growth) if lane_load else 0.0
+            # its prompt stalls every request on the lane; each of its steps lengthens theirs, while they run
+            delay = lane_load * max(prefill - prefill_ahead, 0.0) + slowed if lane_load else 0.0
             known[key] = prediction = Prediction(wait + prefill + decode, delay, wait, prefill, decode)
             return prediction
 

@@ -51,6 +51,11 @@ class Features:
     #: per mode, the prompt tokens its requests in flight still have to compute (those without a first token
     #: yet): the prefill a new request on the same engine lane waits behind
     prefilling_by_mode: Mapping[str, int] = field(default_factory=dict)
+    #: per mode, its requests in flight each counted by the share of this request's tokens it may still be generating
+    #: beside it (min(its tokens left, this max_tokens) / this max_tokens): the mean load this request's steps would
+    #: meet from the requests there now (a burst's requests near their end leave soon); None: not known, every
+    #: request in flight counted whole
+    decode_overlap_by_mode: Mapping[str, float] | None = None
     #: 1 when a prefix-cache mode runs requests in a batch (see FEATURE_DOCS)
     prefix_cache_batched: int = 0
     #: what drafting is expected to do for this request (see FEATURE_DOCS)

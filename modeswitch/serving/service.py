@@ -119,6 +119,8 @@ class Generation:
         #: the mode and prompt tokens this request has still to compute there, counted in the service's
         #: ``prefilling`` until its first token (or its end)
         self._owed: tuple[str, int] | None = None
+        #: the mode it is counted as running on in the service's ``running`` (until it ends or moves on)
+        self._running_on: str | None = None
         self.logprobs: dict | None = None  # prompt scoring results (see GenerateEngine._score)
         #: generated tokens' logprobs (when asked for), and how many :meth:`take_logprobs` has handed out
         self.token_logprobs: list[TokenLogprobs] = []
@@ -154,6 +156,8 @@ class Generation:
             self.decision, self.request = decision, req
             self._owed = self.service.owe(decision.mode, len(self.prompt_ids)
                                           - self.features.prefix_match_by_mode.get(decision.mode, 0))
+            self._leave()
+            self._running_on = self.service.join(decision.mode, self)
             self.service.metrics.decided(decision.mode, decision.rule, decision.decision_us / 1e6)
             return
 
@@ -187,6 +191,7 @@ class Generation:
             return
         self._recorded = True
         self._settle()
+        self._leave()
         end = self.finished_at or time.perf_counter()
         ttft = tpot = None
         n = self.completion_tokens
@@ -308,6 +313,17 @@ class Generation:
             self.service.owe(*self._owed, paid=True)
             self._owed = None
 
+    def _leave(self) -> None:
+        """No longer generating on its mode (it ended, or moves to another): it leaves the service's ``running``."""
+        if self._running_on is not None:
+            self.service.leave(self._running_on, self)
+            self._running_on = None
+
+    @property
+    def tokens_left(self) -> int:
+        """The most tokens it may still generate."""
+        return max(self.params.max_tokens - self.completion_tokens, 0)
+
     def _finish(self, outcome: str) -> None:
         self.finished_at = time.perf_counter()
         self.request.cancel()  # no-op when finished; frees the engine slot when the reader goes away early
@@ -373,7 +389,9 @@ class Service:
         self.routing = threading.Lock()
         #: per mode, the prompt tokens its requests in flight have still to compute (``Features.prefilling_by_mode``)
         self.prefilling: dict[str, int] = {}
-        self._prefilling_lock = threading.Lock()
+        #: per mode, its requests in flight (``Features.decode_overlap_by_mode`` reads how many tokens each has left)
+        self.running: dict[str, set[Generation]] = {}
+        self._in_flight_lock = threading.Lock()
         controller.add_observer(self.metrics.finished)
         #: what drafting would do for a request (its features), learned from every completed one
         self.speculation = SpeculationModel()
@@ -437,9 +455,25 @@ class Service:
 
     def owe(self, mode: str, tokens: int, paid: bool = False) -> tuple[str, int]:
         """Count ``tokens`` of prompt as still to compute on ``mode`` (or, ``paid``, as computed)."""
-        with self._prefilling_lock:
+        with self._in_flight_lock:
             self.prefilling[mode] = self.prefilling.get(mode, 0) + (-tokens if paid else tokens)
         return mode, tokens
+
+    def join(self, mode: str, generation: Generation) -> str:
+        """Count ``generation`` as running on ``mode``."""
+        with self._in_flight_lock:
+            self.running.setdefault(mode, set()).add(generation)
+        return mode
+
+    def leave(self, mode: str, generation: Generation) -> None:
+        with self._in_flight_lock:
+            self.running[mode].discard(generation)
+
+    def decode_overlap(self, max_tokens: int) -> dict[str, float]:
+        """Per mode with requests running, ``Features.decode_overlap_by_mode`` for a request of ``max_tokens``."""
+        m = max(max_tokens, 1)
+        with self._in_flight_lock:
+            return {mode: sum(min(g.tokens_left, m) for g in gens) / m for mode, gens in self.running.items() if gens}
 
     def features(self, prompt_ids: list[int], params: SamplingParams, task: str = "general") -> Features:
         n = len(prompt_ids)
@@ -462,6 +496,7 @@ class Service:
             scoring=int(params.prompt_logprobs is not None),
             in_flight_by_mode=in_flight,
             prefilling_by_mode=self.prefilling.copy(),
+            decode_overlap_by_mode=self.decode_overlap(params.max_tokens),
             prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
             prompt_repeat=drafting.repeat,
             draft_tokens_per_step=drafting.tokens_per_step,

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+import requests
 
 from modeswitch.controller.completed import Completed
 from modeswitch.controller.costs import Binding, CostModel, stream_key
@@ -74,6 +75,50 @@ def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     costs.observe(Completed("b", feats(prompt_tokens=100, in_flight_by_mode={"b": 1}, prefilling_by_mode={"b": 300}),
                             "ok", 0.8, None, 1.0, 100, 1, 1.0, "estimated", False, False))
     assert costs.stream("b").prefill.samples(400) == 2 and costs.stream("b").prefill.samples(100) == 1
+
+
+def test_requests_near_their_end_count_by_the_share_of_a_new_request_they_run_beside():
+    """Engine ``a`` runs 6 requests with 2 tokens left each, ``b`` 3 that have just started, both slower by half a
+    step per request: counted whole, a new request of 24 tokens would meet 6 on ``a`` for all its steps and slow
+    all of theirs, and ``b`` is predicted first; counted by the share of its tokens each may still generate beside
+    it (6 x 2 / 24 on ``a``, 3 x 24 / 24 on ``b``: what a burst's last requests look like), ``a`` is."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
+                       slots={"a": 8, "b": 8}))
+    for stream in ("a", "b"):
+        costs.add_prefill(stream, 10, 0.01)
+        for load in (1, 2, 4, 8):
+            costs.add_step(stream, load, 0.010 + 0.005 * (load - 1))
+    whole = feats(prompt_tokens=10, max_tokens=24, in_flight_by_mode={"a": 6, "b": 3})
+    assert costs.predict("b", whole).total < costs.predict("a", whole).total
+    assert costs.predict("a", whole).decode_s == pytest.approx(23 * 0.040)  # its steps at 7 requests
+    near_end = replace(whole, decode_overlap_by_mode={"a": 6 * 2 / 24, "b": 3.0})
+    a, b = costs.predict("a", near_end), costs.predict("b", near_end)
+    assert a.total < b.total
+    # its steps at the mean load they meet (itself and half a request's worth of the 6); its prompt stalls all 6,
+    # and each of its steps lengthens theirs by the step's growth at 7 only while they run (2 of its 24 tokens each)
+    assert a.decode_s == pytest.approx(23 * (0.010 + 0.005 * 0.5))
+    assert a.delay_s == pytest.approx(6 * 0.01 + 0.5 * 23 * 0.005)
+    assert b.decode_s == pytest.approx(23 * 0.025) and b.delay_s == pytest.approx(3 * 0.01 + 3 * 23 * 0.005)
+
+
+def test_a_request_sees_how_many_tokens_the_requests_in_flight_have_left(make_app):
+    """``decode_overlap_by_mode``: a request of 10 tokens beside one with 200 to go counts it whole; one of 2000
+    tokens counts it by the share of its own it will run beside (under 200 / 2000); once it ends, nothing."""
+    app = make_app(modes=["prefix_cache", "fp16"], scripts={"prefix_cache": Script(token_s=0.02), "fp16": Script()})
+    url = app.serve()
+    body = {"prompt": "A very long story", "max_tokens": 200, "mode": "prefix_cache", "stream": True}
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
+        lines = resp.iter_lines()
+        assert any(b'"text"' in next(lines) for _ in range(6))  # generating
+        short = app.complete("Another", max_tokens=10, mode="fp16")["modeswitch"]["features"]
+        long = app.complete("Another", max_tokens=2000, mode="fp16")["modeswitch"]["features"]
+    assert short["decode_overlap_by_mode"] == {"prefix_cache": 1.0}
+    assert 0.05 < long["decode_overlap_by_mode"]["prefix_cache"] < 0.1
+    deadline = time.monotonic() + 10  # the stream hung up: its generation is cancelled
+    while any(app.service.running.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert app.complete("Again", max_tokens=10, mode="fp16")["modeswitch"]["features"]["decode_overlap_by_mode"] == {}
 
 
 def test_engines_sharing_a_lane_take_turns_and_an_unpinned_engine_shares_every_lane():
@@ -377,7 +422,6 @@ def test_an_engine_idle_by_measurement_is_measured_again_once_its_curves_are_old
     assert costs.needs_measuring("int8+prefix_cache") == "idle" and costs.needs_measuring("prefix_cache") is None
     held = app.backend.engines["prefix_cache"]
     url = app.serve()
-    import requests
 
     with ThreadPoolExecutor(1) as pool:  # a request on the lane: nothing is measured beside it
         busy = pool.submit(requests.post, url + "/v1/completions", timeout=60,
@@ -428,7 +472,6 @@ def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
         for load in (1, 2, 4, 8):
             app.service.costs.add_step(stream, load, 0.004 + 0.002 * (load - 1))
     url = app.serve()
-    import requests
 
     def one(i):
         body = {"prompt": [80 + i, 81, 82], "max_tokens": 24, "temperature": 0}
