@@ -20,6 +20,10 @@ with one vLLM flag and a load balancer gets from every core). ``--w8a8-peer`` ad
 W8A8 checkpoint with n-gram speculation (alone and one per core): the static configuration of ModeSwitch's int8
 modes, to tell the controller's part from the weights'.
 
+``--code LABEL=DIR`` runs the ModeSwitch row of that label from another checkout (its serve.py and package), so two
+versions of the code run in one sequence: on a machine whose speed drifts by more than a change's effect, only
+rows of one run compare.
+
 ``--pinned`` measures the controller's own worth: after each of a ModeSwitch server's own traces, the same
 server (started once, its engines warm and measured) runs a trace of the same shape with every request pinned
 to one mode, for every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives
@@ -133,6 +137,8 @@ def main() -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--modeswitch", action="append", default=None,
                     help="'label=serve.py flags' for one ModeSwitch server (repeatable; default: make serve's)")
+    ap.add_argument("--code", action="append", default=[],
+                    help="'label=DIR': the ModeSwitch server of that label runs the checkout in DIR (repeatable)")
     ap.add_argument("--repeats", type=int, default=2, help="measured traces per server start, other prompts each")
     ap.add_argument("--rounds", type=int, default=1, help="times the whole sequence of servers runs")
     ap.add_argument("--w8a8-peer", action="store_true", help="add vLLM's server on the W8A8 checkpoint + n-gram")
@@ -153,7 +159,9 @@ def main() -> int:
     checkpoint = local_or_hub(preset.w8a8, "W8A8 weights") if args.w8a8_peer else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     servers = static_servers(args.w8a8_peer, checkpoint)
-    servers += [Server(*s.split("=", 1)) for s in args.modeswitch or ["ModeSwitch default (make serve)="]]
+    code = dict(c.split("=", 1) for c in args.code)
+    servers += [Server(*s.split("=", 1), code=code.get(s.split("=", 1)[0]))
+                for s in args.modeswitch or ["ModeSwitch default (make serve)="]]
     if args.only:
         servers = [s for s in servers if s.label in args.only]
     records: dict[str, list[dict]] = {s.label: [] for s in servers}

@@ -100,6 +100,9 @@ class Server:
     per_core: bool = False
     #: the other servers of a ``per_core`` row (the first is ``proc`` / ``url``)
     others: list[tuple[subprocess.Popen, str]] = field(default_factory=list)
+    #: ModeSwitch's only: the checkout whose serve.py and package it runs (None: this one), to compare two versions
+    #: of the code side by side on a noisy machine
+    code: str | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -118,8 +121,10 @@ class Server:
             (self.proc, self.url, self.start_s), self.others = started[0], [(p, u) for p, u, _ in started[1:]]
         else:
             t0 = time.perf_counter()
+            code = {} if self.code is None else {"entry": (str(Path(self.code) / "serve.py"),),
+                                                  "env": {"PYTHONPATH": str(Path(self.code).resolve())}}
             self.proc, self.url, _ = start_server(log_dir, "--model", model, *shlex.split(self.flags), wait_s=900,
-                                                  all_modes=False)
+                                                  all_modes=False, **code)
             self.start_s = time.perf_counter() - t0
             wait_loaded(self.url)  # measured with every mode up
             self.loaded_s = time.perf_counter() - t0

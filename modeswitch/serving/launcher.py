@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import requests
 
@@ -60,8 +61,10 @@ class Launched:
         raise RuntimeError(f"server not ready in {wait_s} s:\n{self.log_file.read_text()[-4000:]}")
 
 
-def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idle: bool = False) -> Launched:
-    """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``.
+def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idle: bool = False,
+                  env: Mapping[str, str] | None = None) -> Launched:
+    """Run ``python ENTRY --port P *args`` in the background, its output to a log file in ``log_dir``; ``env``:
+    variables set for it beside this process's.
 
     ``idle``: the server and every process it starts (engines) run under Linux's ``SCHED_IDLE`` policy, on CPU
     time nothing else wants (:mod:`modeswitch.priority`): a server started ahead of its use, as the test suite
@@ -70,7 +73,7 @@ def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idl
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, *entry, "--port", str(port), *args],
-        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
     )
     if idle:  # set from here, not in a preexec_fn (unsafe with threads): the child starts no thread this soon
         lower(proc.pid)
@@ -78,10 +81,10 @@ def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idl
 
 
 def start_server(log_dir: Path, *args: str, wait_s: float = 600, entry: tuple[str, ...] = SERVE,
-                 all_modes: bool = True) -> tuple[subprocess.Popen, str, Path]:
+                 all_modes: bool = True, env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen, str, Path]:
     """:func:`launch_server`, then wait until it is ready (:meth:`Launched.wait_ready`); return (process, base
     URL, log file)."""
-    launched = launch_server(log_dir, *args, entry=entry)
+    launched = launch_server(log_dir, *args, entry=entry, env=env)
     launched.wait_ready(wait_s, all_modes)
     return launched.proc, launched.url, launched.log_file
 
