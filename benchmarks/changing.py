@@ -160,8 +160,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     servers = static_servers(args.w8a8_peer, checkpoint)
     code = dict(c.split("=", 1) for c in args.code)
-    servers += [Server(*s.split("=", 1), code=code.get(s.split("=", 1)[0]))
-                for s in args.modeswitch or ["ModeSwitch default (make serve)="]]
+    servers += [Server(label, flags, code=code.get(label)) for label, flags in
+                (s.split("=", 1) for s in args.modeswitch or ["ModeSwitch default (make serve)="])]
     if args.only:
         servers = [s for s in servers if s.label in args.only]
     records: dict[str, list[dict]] = {s.label: [] for s in servers}

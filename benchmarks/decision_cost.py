@@ -79,7 +79,8 @@ def requests_in_flight(modes: list[str], n: int) -> list[Features]:
             queue_depth=sum(in_flight.values()), memory_headroom=0.6, memory_free_gb=12.0, greedy=i % 2,
             prefix_match_by_mode={m: prompt // 2 for m in modes if "prefix_cache" in m},
             in_flight_by_mode=in_flight, prefilling_by_mode={m: 64 for m in modes[:: 3]},
-            decode_overlap_by_mode={m: n * (0.25 + (i + j) % 4 / 4) for j, (m, n) in enumerate(in_flight.items())},
+            decode_overlap_by_mode={m: count * (0.25 + (i + j) % 4 / 4)
+                                    for j, (m, count) in enumerate(in_flight.items())},
             prompt_repeat=0.3, draft_tokens_per_step=1.0 + (i % 3) / 2))
     return out
 

@@ -73,7 +73,8 @@ def launch_server(log_dir: Path, *args: str, entry: tuple[str, ...] = SERVE, idl
     log_file = Path(log_dir) / f"server-{port}.log"
     proc = subprocess.Popen(
         [sys.executable, *entry, "--port", str(port), *args],
-        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT, stdout=log_file.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
     )
     if idle:  # set from here, not in a preexec_fn (unsafe with threads): the child starts no thread this soon
         lower(proc.pid)
