@@ -11,6 +11,9 @@ Servers run one at a time (nothing else running; ModeSwitch's engines and three 
 memory together here): start, one warm-up trace (other prompts, not counted: first-shape compilation, and
 what a server that has run a while has learned), then ``--repeats`` traces with other prompts each. The
 whole sequence runs ``--rounds`` times, so drift over the run shows as spread instead of as a ratio.
+``--interleave`` (for a few rows that fit in memory together) starts and warms up every row first, then runs
+their traces in turn, trace by trace, each row's processes stopped (SIGSTOP) while another is measured: on a
+machine whose speed drifts over minutes, the rows' traces of one index then meet the same machine.
 
 Static configurations of vLLM's server, in the reference dtype: plain; n-gram speculation (k=5, as vLLM's
 docs show it); n-gram with vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``: fewer draft
@@ -51,6 +54,7 @@ from modeswitch.bench.phases import phases  # noqa: E402
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.device import machine  # noqa: E402
 from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
+from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -132,6 +136,74 @@ def summarize(records: list[dict]) -> dict:
             "modes": dict(Counter(r["mode"] for r in records if r.get("mode")))}
 
 
+class Sequence:
+    """One round: every server started afresh, warmed up by a trace, then measured ``--repeats`` times (each
+    measured trace followed, with ``--pinned``, by one pinned to each of its modes)."""
+
+    def __init__(self, args: argparse.Namespace, servers: list[Server], model_dir: str, tokenizer, log_dir: Path,
+                 rnd: int, records: dict[str, list[dict]], failed: dict[str, str]) -> None:
+        self.args, self.servers, self.model_dir, self.tokenizer = args, servers, model_dir, tokenizer
+        self.log_dir, self.rnd = log_dir, rnd
+        #: every round's records by row, and the pinned rows whose mode could not serve a whole trace alone, and why
+        self.records, self.failed = records, failed
+        self.pinned: dict[str, list[str]] = {}  # per server, the modes its pinned traces use
+
+    def one_at_a_time(self) -> None:
+        """Each server alone: start, warm up, its traces, stop; then the next."""
+        for server in self.servers:
+            try:
+                self.start(server)
+                for i in range(self.args.repeats):
+                    self.measure(server, i)
+            finally:
+                server.stop()
+
+    def interleaved(self) -> None:
+        """Every server started (and warmed up) first, each paused while it is not measured; then trace by trace
+        every server in turn, the order rotating, so that a drifting machine meets every server within minutes of
+        each other and the ratios of one trace compare."""
+        try:
+            for server in self.servers:
+                self.start(server)
+                server.pause()
+            for i, server in rotated_rounds(self.servers, self.args.repeats):
+                server.resume()
+                self.measure(server, i)
+                server.pause()
+        finally:
+            for server in self.servers:
+                server.stop()
+
+    def start(self, server: Server) -> None:
+        server.proc, server.url = None, ""  # a fresh start each round
+        server.start(self.model_dir, self.args.model, self.log_dir)
+        run_trace(server, self.tokenizer, WARMUP_RUN + self.rnd)
+        pinned = available_modes(server.url) if self.args.pinned and server.flags is not None else []
+        self.pinned[server.label] = [m for m in pinned if not self.args.pin or m in self.args.pin]
+
+    def measure(self, server: Server, i: int) -> None:
+        """Its ``i``-th trace of the round, then (with ``--pinned``) one of the same shape pinned to each mode:
+        drift hits every row alike."""
+        args = self.args
+        pinned = self.pinned[server.label] if i < args.pinned_repeats else []
+        for j, mode in enumerate([None, *pinned]):
+            label = server.label if mode is None else f"{server.label} pinned {mode}"
+            if label in self.failed:
+                continue
+            try:
+                got = run_trace(server, self.tokenizer, self.rnd * args.repeats + i + j * PINNED_RUNS, mode)
+            except RuntimeError as exc:  # one mode alone may not take a phase's load: a row of its own
+                if mode is None:
+                    raise
+                print(f"  round {self.rnd}, {label}, run {i}: {exc}", flush=True)
+                self.failed[label] = str(exc)
+                self.records.pop(label, None)
+                continue
+            self.records.setdefault(label, []).extend(got)
+            mean = statistics.fmean(r["latency_s"] for r in got)
+            print(f"  round {self.rnd}, {label}, run {i}: mean {mean:.3f} s", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="demo")
@@ -141,6 +213,8 @@ def main() -> int:
                     help="'label=DIR': the ModeSwitch server of that label runs the checkout in DIR (repeatable)")
     ap.add_argument("--repeats", type=int, default=2, help="measured traces per server start, other prompts each")
     ap.add_argument("--rounds", type=int, default=1, help="times the whole sequence of servers runs")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server first and run their traces in turn, each paused while not measured")
     ap.add_argument("--w8a8-peer", action="store_true", help="add vLLM's server on the W8A8 checkpoint + n-gram")
     ap.add_argument("--only", action="append", default=None, help="a server's label to run (repeatable; default: all)")
     ap.add_argument("--pinned", action="store_true", help="also run each ModeSwitch server pinned to each of its modes")
@@ -171,46 +245,26 @@ def main() -> int:
         tmp = args.logs or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for rnd in range(args.rounds):
+            sequence = Sequence(args, servers, model_dir, tokenizer, Path(tmp), rnd, records, failed)
+            if args.interleave:
+                sequence.interleaved()
+            else:
+                sequence.one_at_a_time()
             for server in servers:
-                server.proc, server.url = None, ""  # a fresh start each round
-                try:
-                    server.start(model_dir, args.model, Path(tmp))
-                    run_trace(server, tokenizer, WARMUP_RUN + rnd)
-                    pinned = available_modes(server.url) if args.pinned and server.flags is not None else []
-                    pinned = [m for m in pinned if not args.pin or m in args.pin]
-                    for i in range(args.repeats):
-                        # the adaptive run, then one of the same shape pinned to each mode: drift hits every row alike
-                        for j, mode in enumerate([None, *(pinned if i < args.pinned_repeats else [])]):
-                            label = server.label if mode is None else f"{server.label} pinned {mode}"
-                            if label in failed:
-                                continue
-                            try:
-                                got = run_trace(server, tokenizer, rnd * args.repeats + i + j * PINNED_RUNS, mode)
-                            except RuntimeError as exc:  # one mode alone may not take a phase's load: a row of its own
-                                if mode is None:
-                                    raise
-                                print(f"  round {rnd}, {label}, run {i}: {exc}", flush=True)
-                                failed[label] = str(exc)
-                                records.pop(label, None)
-                                continue
-                            records.setdefault(label, []).extend(got)
-                            mean = statistics.fmean(r["latency_s"] for r in got)
-                            print(f"  round {rnd}, {label}, run {i}: mean {mean:.3f} s", flush=True)
-                finally:
-                    server.stop()
                 served[server.label].update(server.served)
     summary = summaries(records)
     table = report(summary) + "".join(f"\n\n{label}: not in the table, it failed a trace: {why}"
                                       for label, why in failed.items())
     print(table)
+    how = "their traces in turn, the others paused" if args.interleave else "one server at a time"
     stem = save_results(args.out, f"changing_{Path(args.model).name}", args.tag,
                         {"model": args.model, "processor": processor(), "cpu_flags": machine(), "repeats": args.repeats,
-                         "rounds": args.rounds, "summary": summary,
+                         "rounds": args.rounds, "interleaved": args.interleave, "summary": summary,
                          "decision_us": decision_us(records), "pinned_failed": failed,
                          "requests_by_mode": {k: dict(v) for k, v in served.items()},
                          "records": {label: [compact(r) for r in rs] for label, rs in records.items()}},
                         f"# A changing workload ({args.model}, {processor()})\n\n{args.rounds} round(s) x {args.repeats} "
-                        f"trace(s) per server, one server at a time.\n\n{table}\n")
+                        f"trace(s) per server, {how}.\n\n{table}\n")
     print(f"wrote {stem}.json/.md")
     return 0
 

@@ -7,7 +7,8 @@ median TTFT per server and workload, with each one's ratio to vLLM's server from
 client's full results lands in benchmarks/results/. ``--repeats N`` sends each workload N times to the same
 server, each time with other prompts (seed 0..N-1: nothing is in the prefix cache from the time before), and
 reports the median and the range: one run of 16 short prompts moves by 5-10 %. ``--interleave`` starts every
-server first and runs the repeats in rounds over all of them: on a machine whose speed drifts (a shared VM here
+server first and runs the repeats in rounds over all of them, each server's processes stopped while another
+runs (an idle vLLM CPU engine spins on its core): on a machine whose speed drifts (a shared VM here
 gave vLLM's server 38.6 and 29.2 out tok/s on the same prompts half an hour apart) servers run one after
 another compare different machines. For a ModeSwitch server the
 JSON also keeps how many requests each mode served (``/v1/modes``), over all its runs. Each row also gives the
@@ -78,9 +79,9 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=1, help="runs per workload and server, other prompts each (median)")
     ap.add_argument("--interleave", action="store_true",
-                    help="start every server first, then run the repeats in rounds over all of them (rotated): a "
-                         "machine whose speed drifts over the run moves every row alike (idle servers cost ~1 %% of "
-                         "a core each; the memory of all of them at once)")
+                    help="start every server first, then run the repeats in rounds over all of them (rotated), "
+                         "each paused while not measured: a machine whose speed drifts over the run moves every row "
+                         "alike (the memory of all of them at once)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts a run")
     ap.add_argument("--concurrency", type=int, default=4, help="the client's concurrent requests")
     ap.add_argument("--tag", default="")
@@ -102,10 +103,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         try:
-            for server in servers if args.interleave else ():  # all up before the first run
+            for server in servers if args.interleave else ():  # all up before the first run, paused till its turn
                 server.start(model_dir, args.model, tmp)
+                server.pause()
             for server, seed in order:
                 server.start(model_dir, args.model, tmp)
+                if server.paused:
+                    server.resume()
                 for workload in workloads:
                     before = server.cpu_seconds()
                     r = bench(server.url, args.model, model_dir, workload, tmp / f"{servers.index(server)}-{workload}-{seed}.json",
@@ -117,6 +121,8 @@ def main() -> int:
                           f"engines {r['engine_cpu_s']:.1f} s", flush=True)
                 if not args.interleave and seed == repeats - 1:
                     server.stop()
+                elif args.interleave:
+                    server.pause()
         finally:
             for server in servers:
                 server.stop()
@@ -162,7 +168,7 @@ def main() -> int:
                         f"# ModeSwitch vs vLLM's own server ({args.model}, {machine})"
                         f"\n\nvLLM's benchmark client: {args.prompts} prompts, {args.concurrency} concurrent, "
                         f"greedy, ignore-eos; {args.repeats} run(s) per row, other prompts each"
-                        f"{', in rounds over all servers resident at once' if args.interleave else ''}, "
+                        f"{', in rounds over all servers resident at once, the others paused' if args.interleave else ''}, "
                         f"median (range: out tok/s of each run).\n\n{table}\n")
     print(f"wrote {stem}.json/.md")
     return 0

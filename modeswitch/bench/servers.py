@@ -103,6 +103,8 @@ class Server:
     #: ModeSwitch's only: the checkout whose serve.py and package it runs (None: this one), to compare two versions
     #: of the code side by side on a noisy machine
     code: str | None = None
+    #: its processes are stopped (:meth:`pause`)
+    paused: bool = False
 
     @property
     def urls(self) -> list[str]:
@@ -131,6 +133,39 @@ class Server:
             wait_calibrated(self.url)  # and every engine's costs measured
             self.calibrated_s = time.perf_counter() - t0
 
+    def processes(self) -> list[psutil.Process]:
+        """Every process of it: each of its servers' own and their descendants (engine cores, workers)."""
+        out = []
+        for proc in (self.proc, *(p for p, _ in self.others)):
+            root = psutil.Process(proc.pid)
+            out += [root, *root.children(recursive=True)]
+        return out
+
+    def pause(self) -> None:
+        """Stop every process of it (SIGSTOP) between its traces, so that while another server is measured it takes
+        no CPU (an idle vLLM CPU engine spins on its core). Called with nothing in flight: no step is cut short."""
+        processes = self.processes()
+        for proc in processes:
+            proc.suspend()
+        self.paused = True
+        deadline = time.perf_counter() + 10  # a signal is delivered, not acted on at once
+        while any(proc.status() != psutil.STATUS_STOPPED for proc in processes):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{self.label}: not every process stopped 10 s after SIGSTOP")
+            time.sleep(0.01)
+
+    def resume(self) -> None:
+        """Continue every process of it (SIGCONT) and wait until each of its servers answers ``/health``."""
+        for proc in self.processes():
+            proc.resume()
+        self.paused = False
+        deadline = time.perf_counter() + 60
+        for url in self.urls:
+            while requests.get(url + "/health", timeout=30).status_code != 200:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"{self.label}: {url} unhealthy 60 s after resuming")
+                time.sleep(0.5)
+
     def cpu_seconds(self) -> tuple[float, float]:
         """CPU seconds its front ends and its engines have used (:func:`cpu_seconds` summed over a per-core row's
         servers)."""
@@ -140,6 +175,8 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
+        if self.paused:  # a stopped process would not act on SIGTERM
+            self.resume()
         if self.flags is not None:  # requests per mode over all its runs
             try:
                 cards = requests.get(f"{self.url}/v1/modes", timeout=30).json()["modes"]

@@ -105,3 +105,51 @@ def test_rotated_rounds_run_every_contender_once_a_round_in_a_rotated_order():
     order = rotated_rounds(["a", "b", "c"], 4)
     assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
                      (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
+
+
+def test_a_paused_server_takes_no_cpu_answers_nothing_and_resumes(tmp_path):
+    """``Server.pause`` stops every process of a server (its own and its children) until ``resume``; ``stop``
+    ends a paused one all the same."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    import requests
+
+    from modeswitch.bench.servers import Server
+    from modeswitch.serving.launcher import free_port
+
+    (tmp_path / "health").write_text("ok")
+    port = free_port()
+    # a parent that serves /health and a child that spins: what an idle vLLM server and its engine core do
+    code = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']); "
+            f"import http.server, functools; http.server.ThreadingHTTPServer(('127.0.0.1', {port}), "
+            f"functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(tmp_path)!r})).serve_forever()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    server = Server("probe", proc=proc, url=f"http://127.0.0.1:{port}")
+    processes = []
+    try:
+        for _ in range(100):  # up
+            try:
+                requests.get(server.url + "/health", timeout=5)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+        processes = server.processes()
+        assert len(processes) == 2
+        server.pause()
+        assert {p.status() for p in processes} == {psutil.STATUS_STOPPED}
+        spent = server.cpu_seconds()
+        with pytest.raises(requests.Timeout):
+            requests.get(server.url + "/health", timeout=0.5)
+        assert server.cpu_seconds() == spent  # the spinning child too
+        server.resume()
+        assert not server.paused and requests.get(server.url + "/health", timeout=5).status_code == 200
+        assert psutil.STATUS_STOPPED not in {p.status() for p in processes}
+        server.pause()
+    finally:
+        server.stop()
+        for p in processes[1:]:  # the spinning child, which its parent's end leaves running
+            p.kill()
+    assert proc.poll() is not None and not server.paused
