@@ -38,7 +38,9 @@ busy, as the vLLM engines' drafting budget does on a CPU, delivers less of it th
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
-step they share with it; ``prefill_e(0)`` and ``step_e(0)`` are 0). A mode whose stream has not measured a
+step they share with it; ``step_e(0)`` is 0, and ``prefill_e(0)`` is ``step_e(n)`` where ``e`` is busy: its
+requests would take that step all the same, so a prompt stalls them by its marginal time whether prompts are queued
+ahead of it or not; 0 where ``e`` is idle). A mode whose stream has not measured a
 curve yet predicts nothing (``None``): it is never compared on a guess, so one mode's unmeasured prior cannot
 mask another's measured cost.
 
@@ -427,8 +429,10 @@ class CostModel:
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
             growth = max(step_at(mine + 1) - step_at(mine), 0.0) if mine else step_at(1)
-            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth,
-                    costs.prefill.at(ahead) if ahead and lane_load else 0.0)
+            # what the lane's requests wait for without it: the prompts queued, or on a busy engine its next step,
+            # which they would take all the same
+            stalled = (costs.prefill.at(ahead) if ahead else step_at(mine) if mine else 0.0) if lane_load else 0.0
+            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, stalled)
 
         def predict(mode: str) -> Prediction | None:
             place = modes.get(mode) or ("", "", mode, 1, False)

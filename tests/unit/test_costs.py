@@ -49,9 +49,10 @@ def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves(
     assert alone.prefill_s == pytest.approx(0.2) and alone.decode_s == pytest.approx(10 * 0.01)
     assert alone.delay_s == 0 and alone.total == pytest.approx(0.3)
     # one request already on its lane (another mode of the lane counts too): its steps cost 0.02 now, and the
-    # request adds its prefill and 10 x 0.01 of step growth to the one already there
+    # request adds its prefill less the step the one already there takes all the same (0.01), and 10 x 0.01 of
+    # step growth
     busy = costs.predict("a", feats(prompt_tokens=100, max_tokens=11, in_flight_by_mode={"a": 1}))
-    assert busy.decode_s == pytest.approx(10 * 0.02) and busy.delay_s == pytest.approx(0.2 + 10 * 0.01)
+    assert busy.decode_s == pytest.approx(10 * 0.02) and busy.delay_s == pytest.approx(0.2 - 0.01 + 10 * 0.01)
     # another lane's load is not this lane's
     assert costs.predict("a", feats(prompt_tokens=100, max_tokens=11, in_flight_by_mode={"b": 3})).delay_s == 0
 
@@ -86,7 +87,7 @@ def test_requests_near_their_end_count_by_the_share_of_a_new_request_they_run_be
     costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
                        slots={"a": 8, "b": 8}))
     for stream in ("a", "b"):
-        costs.add_prefill(stream, 10, 0.01)
+        costs.add_prefill(stream, 10, 0.05)
         for load in (1, 2, 4, 8):
             costs.add_step(stream, load, 0.010 + 0.005 * (load - 1))
     whole = feats(prompt_tokens=10, max_tokens=24, in_flight_by_mode={"a": 6, "b": 3})
@@ -95,12 +96,35 @@ def test_requests_near_their_end_count_by_the_share_of_a_new_request_they_run_be
     near_end = replace(whole, decode_overlap_by_mode={"a": 6 * 2 / 24, "b": 3.0})
     a, b = costs.predict("a", near_end), costs.predict("b", near_end)
     assert a.total < b.total
-    # its steps at the mean load they meet (itself and half a request's worth of the 6); its prompt stalls all 6,
-    # and each of its steps lengthens theirs by the step's growth at 7 only while they run (2 of its 24 tokens each)
+    # its steps at the mean load they meet (itself and half a request's worth of the 6); its prompt stalls all 6
+    # by its prefill less the step they take all the same (at 6), and each of its steps lengthens theirs by the
+    # step's growth at 7 only while they run (2 of its 24 tokens each)
     assert a.decode_s == pytest.approx(23 * (0.010 + 0.005 * 0.5))
-    assert a.delay_s == pytest.approx(6 * 0.01 + 0.5 * 23 * 0.005)
-    assert b.decode_s == pytest.approx(23 * 0.025) and b.delay_s == pytest.approx(3 * 0.01 + 3 * 23 * 0.005)
+    assert a.delay_s == pytest.approx(6 * (0.05 - 0.035) + 0.5 * 23 * 0.005)
+    assert b.decode_s == pytest.approx(23 * 0.025) and b.delay_s == pytest.approx(3 * (0.05 - 0.02) + 3 * 23 * 0.005)
 
+
+def test_a_prompt_stalls_a_busy_engine_by_its_marginal_time_with_or_without_prompts_queued():
+    """Two engines of 4 running requests each, ``a`` with a 256-token prompt queued, ``b`` with none: a new prompt
+    stalls the requests of either by what it adds to their next step, its prefill less what that step costs
+    without it (the queued prompt's on ``a``, a plain step on ``b``). Counted from nothing on ``b``, an engine
+    with a prompt queued looked cheaper to join by a whole step per request, and a burst's returning clients
+    piled onto it."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
+                       slots={"a": 8, "b": 8}))
+    for stream in ("a", "b"):
+        for tokens in (64, 256, 512, 1024):
+            costs.add_prefill(stream, tokens, 0.02 + 0.001 * tokens)
+        for load in (1, 2, 4, 8):
+            costs.add_step(stream, load, 0.02)
+    f = feats(prompt_tokens=256, max_tokens=2, in_flight_by_mode={"a": 4, "b": 4}, prefilling_by_mode={"a": 256})
+    a, b = costs.predict("a", f), costs.predict("b", f)
+    assert a.delay_s == pytest.approx(4 * 0.256) and b.delay_s == pytest.approx(4 * 0.256)
+    assert a.prefill_s == pytest.approx(0.532) and b.prefill_s == pytest.approx(0.276) and b.total < a.total
+    # an idle engine's step would not run without it: its whole prefill is new work for its lane
+    idle = costs.predict("b", replace(f, in_flight_by_mode={"a": 4}))
+    assert idle.delay_s == 0 and idle.prefill_s == pytest.approx(0.276)
 
 def test_a_request_sees_how_many_tokens_the_requests_in_flight_have_left(make_app):
     """``decode_overlap_by_mode``: a request of 10 tokens beside one with 200 to go counts it whole; one of 2000
