@@ -302,11 +302,18 @@ def summaries(records: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
             for label, rs in records.items() if rs}
 
 
+def paired(theirs: list[float], own: list[float]) -> tuple[float, float]:
+    """Two rows' means over the runs both have, from their run means (a pinned row runs only the first
+    ``--pinned-repeats`` of the repeats, each beside the adaptive run of the same index): like with like."""
+    n = min(len(theirs), len(own))
+    return statistics.fmean(theirs[:n]), statistics.fmean(own[:n])
+
+
 def report(summary: dict[str, dict[str, dict]]) -> str:
     """The table: per phase and overall, each server's mean (range of run means) / p90 / tok/s; then per ModeSwitch
-    server the ratio of the best static configuration's mean to its own, in every phase (the best of each phase)
-    and per run (the same prompts), against vLLM's configurations in the reference dtype (the target) and against
-    every vLLM row (the W8A8 peer included: what the weights alone give)."""
+    server the ratio of the best static configuration's mean to its own over the runs both have, in every phase (the
+    best of each phase) and per run (the same prompts), against vLLM's configurations in the reference dtype (the
+    target) and against every vLLM row (the W8A8 peer included: what the weights alone give)."""
     lines = ["| server | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
     for label, phases_ in summary.items():
         cells = []
@@ -325,10 +332,12 @@ def report(summary: dict[str, dict[str, dict]]) -> str:
                 continue
             cells = []
             for p in PHASES:
-                best = min(static, key=lambda l: summary[l][p]["mean_s"])
-                ratio = summary[best][p]["mean_s"] / summary[label][p]["mean_s"]
-                # the runs both sides have (pinned rows may run fewer repeats than the adaptive one)
-                per_run = [min(means) / own for i, own in enumerate(summary[label][p]["run_means_s"])
+                own = summary[label][p]["run_means_s"]
+                best = min(static, key=lambda l: paired(summary[l][p]["run_means_s"], own)[0])
+                theirs, mine = paired(summary[best][p]["run_means_s"], own)
+                ratio = theirs / mine
+                # run by run, over the runs both sides have
+                per_run = [min(means) / run for i, run in enumerate(own)
                            if (means := [summary[l][p]["run_means_s"][i] for l in static
                                          if i < len(summary[l][p]["run_means_s"])])]
                 cells.append(f"**{ratio:.2f}x** (runs {', '.join(f'{r:.2f}' for r in per_run)}) vs {best}")

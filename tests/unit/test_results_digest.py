@@ -45,3 +45,15 @@ def test_missing_headline_fields_do_not_crash(tmp_path):
     assert "| rounds_demo_odd | - | - | headline fields not read (AttributeError) |" in text
     assert "## Other results" in text and "| something_new | - | x86_64 |" in text
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_pinned_row_is_compared_over_the_runs_it_has():
+    """A changing-workload run whose pinned rows ran the first of the repeats only: the speed-up over them is over
+    those runs (3.0 / 1.5), not over the adaptive row's mean of every run (3.0 / 1.75); rows without run means
+    fall back to the means."""
+    summary = {"ModeSwitch": {"overall": {"mean_s": 1.75, "run_means_s": [1.5, 2.0]}},
+               "ModeSwitch pinned m": {"overall": {"mean_s": 3.0, "run_means_s": [3.0]}},
+               "vLLM": {"overall": {"mean_s": 3.5}}}
+    rows = digest.changing({"summary": summary, "requests_by_mode": {"ModeSwitch": {"m": 3}}})
+    speed_up = {r["server"]: r["ModeSwitch's speed-up over it"] for r in rows}
+    assert speed_up == {"**ModeSwitch**": None, "ModeSwitch pinned m": "2.00x", "vLLM": "2.00x"}
