@@ -6,7 +6,8 @@ decision alone, in process, over the fake backend (no model): the ten default mo
 and cores on a 2-core CPU, the default policy, the shipped vLLM gate report, measured costs on every engine (each
 lane's step growing with its load, the reference weights fastest as on an AVX2 CPU), and requests in flight on
 every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over 8 MiB of memory
-and a 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time.
+and a 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
+then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to.
 
     .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--tag T] [--profile]
 """
@@ -19,6 +20,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -132,9 +134,14 @@ def main() -> int:
             for f in features[:200]:
                 d = controller.decide(f)
                 chosen[d.mode] = chosen.get(d.mode, 0) + 1
+            # the same requests on an idle server (nothing in flight or queued): what the decision's path costs
+            # whatever the load, which is what a lull's decisions pay
+            idle = [replace(f, in_flight_by_mode={}, prefilling_by_mode={}, decode_overlap_by_mode={}, queue_depth=0)
+                    for f in features]
             rows = {}
-            for kind, cold in (("warm", False), ("cold", True)):
-                spent = time_decisions(controller, features, cold)
+            for kind, cold, asked in (("warm", False, features), ("cold", True, features),
+                                      ("warm, idle server", False, idle), ("cold, idle server", True, idle)):
+                spent = time_decisions(controller, asked, cold)
                 rows[kind] = {"p50_us": round(pct(spent, 0.5), 1), "p90_us": round(pct(spent, 0.9), 1),
                               "mean_us": round(statistics.fmean(spent), 1)}
         finally:
