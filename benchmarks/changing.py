@@ -28,10 +28,10 @@ versions of the code run in one sequence: on a machine whose speed drifts by mor
 rows of one run compare.
 
 ``--pinned`` measures the controller's own worth: after each of a ModeSwitch server's own traces, the same
-server (started once, its engines warm and measured) runs a trace of the same shape with every request pinned
-to one mode, for every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives
-the best pinned mode's mean over the adaptive one's, per phase. Each pinned trace has prompts of its own: one
-that repeated the adaptive trace's would find them in the prefix caches the adaptive trace filled. ``--vllm ROW`` runs only the named static rows (repeatable).
+server (started once, its engines warm and measured) runs the same trace with every request pinned to one mode,
+for every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives the best
+pinned mode's mean over the adaptive one's, per phase. Each pinned trace opens every prompt with a marker of its
+own (``phases``' salt): the same text, which the prefix caches the adaptive trace filled do not hold. ``--vllm ROW`` runs only the named static rows (repeatable).
 
     .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer] [--pinned]
 """
@@ -61,7 +61,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
 #: vLLM's dynamic speculation: k by the batch size (inclusive ranges)
 SCHEDULE = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 6, 3], [7, 256, 1]]}
 WARMUP_RUN = 1000  # the warm-up trace's prompts: far from the measured runs' text
-PINNED_RUNS = 10_000  # the j-th pinned row's prompts: run + j x PINNED_RUNS
 
 
 def every_core() -> str:
@@ -88,12 +87,12 @@ def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
     return servers
 
 
-def run_trace(server: Server, tokenizer, run: int, mode: str | None = None) -> list[dict]:
-    """Every phase of run ``run`` in order, each at its own concurrency (every request pinned to ``mode`` if
-    given); records tagged with phase, wall time and the CPU seconds the server's front ends and engines used in
-    the phase."""
+def run_trace(server: Server, tokenizer, run: int, mode: str | None = None, salt: int = 0) -> list[dict]:
+    """Every phase of run ``run`` in order (its prompts opened by ``salt``'s marker, see ``phases``), each at its own
+    concurrency (every request pinned to ``mode`` if given); records tagged with phase, wall time and the CPU
+    seconds the server's front ends and engines used in the phase."""
     records = []
-    for phase in phases(tokenizer, run):
+    for phase in phases(tokenizer, run, salt=salt):
         t0, cpu0 = time.perf_counter(), server.cpu_seconds()
         got = send(server.urls, list(phase.slots), mode=mode, concurrency=phase.concurrency)
         wall = time.perf_counter() - t0
@@ -191,7 +190,8 @@ class Sequence:
             if label in self.failed:
                 continue
             try:
-                got = run_trace(server, self.tokenizer, self.rnd * args.repeats + i + j * PINNED_RUNS, mode)
+                # the adaptive trace's text, behind an opening of its own (its prompts are in the prefix caches)
+                got = run_trace(server, self.tokenizer, self.rnd * args.repeats + i, mode, salt=j)
             except RuntimeError as exc:  # one mode alone may not take a phase's load: a row of its own
                 if mode is None:
                     raise

@@ -8,7 +8,10 @@
 * ``lull2``: a lull again, with other prompts.
 
 Prompts are token ids (chat prompts through the model's own chat template), so every server gets exactly the
-same tokens. Each ``run`` draws other text, so no run finds an earlier run's prompts in a prefix cache.
+same tokens. Each ``run`` draws other text, so no run finds an earlier run's prompts in a prefix cache. A ``salt``
+opens every prompt of a run with a marker of its own: the same text behind another opening, which a server that
+has served the run unsalted (or with another salt) does not find in its prefix cache either (a prefix cache
+matches from a prompt's first token): a server pinned to each mode in turn runs the adaptive run's own text.
 """
 
 from __future__ import annotations
@@ -77,12 +80,18 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def phases(tokenizer, run: int, lull: int = 6, burst: int = 24, burst_clients: int = 12, shared: int = 12,
            shared_clients: int = 4, lull_tokens: int = 48, burst_tokens: int = 48, burst_prompt: int = 256,
-           shared_tokens: int = 32, document_tokens: int = 512) -> list[Phase]:
-    """The four phases of run ``run`` (seeded: the same prompts for every server). The defaults are sized so
-    that a trace of the demo model on a small CPU takes minutes, not hours."""
+           shared_tokens: int = 32, document_tokens: int = 512, salt: int = 0) -> list[Phase]:
+    """The four phases of run ``run`` (seeded: the same prompts for every server), every prompt opened by
+    ``salt``'s marker where it is not 0 (a burst window keeps its length: its last tokens make room). The defaults
+    are sized so that a trace of the demo model on a small CPU takes minutes, not hours."""
     rng = random.Random(run)
     take = TextSource(tokenizer).reader(run)
+    marker = f"[{salt}] " if salt else ""
+    opening = tokenizer.encode(marker, add_special_tokens=False) if salt else []
     index = 0
+
+    def chat(text: str) -> list[int]:
+        return chat_ids(tokenizer, marker + text)
 
     def slot(workload: str, ids: list[int], max_tokens: int) -> Slot:
         nonlocal index
@@ -94,14 +103,14 @@ def phases(tokenizer, run: int, lull: int = 6, burst: int = 24, burst_clients: i
         for i in range(lull):
             copy = i % 2 == 0
             text = copy_prompt(rng, (i // 2) % 3) if copy else prose_prompt(rng)
-            slots.append(slot(f"{name}:{'copy' if copy else 'prose'}", chat_ids(tokenizer, text), lull_tokens))
+            slots.append(slot(f"{name}:{'copy' if copy else 'prose'}", chat(text), lull_tokens))
         return Phase(name, 1, tuple(slots))
 
     first = lull_phase("lull")
-    burst_phase = Phase("burst", burst_clients, tuple(slot("burst", take(burst_prompt), burst_tokens)
-                                                      for _ in range(burst)))
+    burst_phase = Phase("burst", burst_clients, tuple(
+        slot("burst", (opening + take(burst_prompt))[:burst_prompt], burst_tokens) for _ in range(burst)))
     document = tokenizer.decode(take(document_tokens))
     shared_phase = Phase("shared_prefix", shared_clients, tuple(
-        slot("shared_prefix", chat_ids(tokenizer, f"Read this text:\n\n{document}\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}"),
+        slot("shared_prefix", chat(f"Read this text:\n\n{document}\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}"),
              shared_tokens) for i in range(shared)))
     return [first, burst_phase, shared_phase, lull_phase("lull2")]

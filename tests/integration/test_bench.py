@@ -59,6 +59,27 @@ def test_the_changing_workload_has_its_phases_and_copying_prompts(tokenizer):
     assert phases(tokenizer, run=1)[1].slots[0].prompt_ids != burst.slots[0].prompt_ids
 
 
+def test_a_salted_run_has_the_same_text_behind_another_opening(tokenizer):
+    """``salt``: every prompt of the run opens with a marker of its own, within its first 48 tokens, so nothing
+    of it is found in a prefix cache that holds the unsalted run; behind the marker the text is the run's own
+    (the same document, the same text to copy), and a burst window keeps its length."""
+    from modeswitch.bench.phases import phases
+
+    plain, salted = phases(tokenizer, run=0), phases(tokenizer, run=0, salt=3)
+    for a, b in zip(plain, salted):
+        assert (a.name, a.concurrency, len(a.slots)) == (b.name, b.concurrency, len(b.slots))
+        for x, y in zip(a.slots, b.slots):
+            cut = next(i for i, (p, q) in enumerate(zip(x.prompt_ids, y.prompt_ids)) if p != q)
+            assert cut < 48 and x.max_tokens == y.max_tokens and x.workload == y.workload
+            if a.name == "burst":
+                assert len(y.prompt_ids) == len(x.prompt_ids) and tokenizer.decode(y.prompt_ids).startswith("[3] ")
+                k = len(tokenizer.encode("[3] ", add_special_tokens=False))
+                assert y.prompt_ids[k:] == x.prompt_ids[:-k]
+            else:
+                assert "[3] " in tokenizer.decode(y.prompt_ids) and "[3] " not in tokenizer.decode(x.prompt_ids)
+                assert tokenizer.decode(y.prompt_ids).replace("[3] ", "", 1) == tokenizer.decode(x.prompt_ids)
+
+
 def test_prefix_reuse_and_arrival_patterns(source):
     slots = prefix_reuse(source, 12, run=3, prompt_tokens=40, max_tokens=4, prefix_fraction=0.5, prefixes=3)
     assert len({tuple(s.prompt_ids[:20]) for s in slots}) <= 3 and all(len(s.prompt_ids) == 40 for s in slots)
