@@ -9,9 +9,10 @@
 
 Prompts are token ids (chat prompts through the model's own chat template), so every server gets exactly the
 same tokens. Each ``run`` draws other text, so no run finds an earlier run's prompts in a prefix cache. A ``salt``
-opens every prompt of a run with a marker of its own: the same text behind another opening, which a server that
-has served the run unsalted (or with another salt) does not find in its prefix cache either (a prefix cache
-matches from a prompt's first token): a server pinned to each mode in turn runs the adaptive run's own text.
+opens every prompt of a run with a marker of its own: the same text behind another opening, of which a server
+that has served the run unsalted (or with another salt) finds in its prefix cache at most the few tokens before
+the marker (a chat template's header; a prefix cache matches from a prompt's first token): a server pinned to
+each mode in turn runs the adaptive run's own text.
 """
 
 from __future__ import annotations
