@@ -431,8 +431,8 @@ class CostModel:
             growth = max(step_at(mine + 1) - step_at(mine), 0.0) if mine else step_at(1)
             # what the lane's requests wait for without it: the prompts queued, or on a busy engine its next step,
             # which they would take all the same
-            stalled = (costs.prefill.at(ahead) if ahead else step_at(mine) if mine else 0.0) if lane_load else 0.0
-            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, stalled)
+            without = (costs.prefill.at(ahead) if ahead else step_at(mine) if mine else 0.0) if lane_load else 0.0
+            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, without)
 
         def predict(mode: str) -> Prediction | None:
             place = modes.get(mode) or ("", "", mode, 1, False)
@@ -446,10 +446,10 @@ class CostModel:
             if terms is None:
                 known[key] = None
                 return None
-            prefill_at, lane_load, ahead, steps, decode, wait, slowed, prefill_ahead = terms
+            prefill_at, lane_load, ahead, steps, decode, wait, slowed, without = terms
             prefill = prefill_at(ahead + key[1])
             # its prompt stalls every request on the lane; each of its steps lengthens theirs, while they run
-            delay = lane_load * max(prefill - prefill_ahead, 0.0) + slowed if lane_load else 0.0
+            delay = lane_load * max(prefill - without, 0.0) + slowed if lane_load else 0.0
             known[key] = prediction = Prediction(wait + prefill + decode, delay, wait, prefill, decode)
             return prediction
 
