@@ -27,9 +27,10 @@ modes, to tell the controller's part from the weights'.
 versions of the code run in one sequence: on a machine whose speed drifts by more than a change's effect, only
 rows of one run compare.
 
-``--pinned`` measures the controller's own worth: after each of a ModeSwitch server's own traces, the same
+``--pinned`` measures the controller's own worth: beside each of a ModeSwitch server's own traces, the same
 server (started once, its engines warm and measured) runs the same trace with every request pinned to one mode,
-for every mode it has available, its row labelled ``<server> pinned <mode>``; the table then gives the best
+for every mode it has available (the order of these traces rotating from one trace index to the next, so none
+always runs first), its row labelled ``<server> pinned <mode>``; the table then gives the best
 pinned mode's mean over the adaptive one's, per phase. Each pinned trace opens every prompt with a marker of its
 own (``phases``' salt): the same text, which the prefix caches the adaptive trace filled do not hold. ``--vllm ROW`` runs only the named static rows (repeatable).
 
@@ -54,7 +55,7 @@ from modeswitch.bench.phases import phases  # noqa: E402
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.device import machine  # noqa: E402
 from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
-from modeswitch.bench.workloads import rotated_rounds  # noqa: E402
+from modeswitch.bench.workloads import rotated, rotated_rounds  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -181,11 +182,12 @@ class Sequence:
         self.pinned[server.label] = [m for m in pinned if not self.args.pin or m in self.args.pin]
 
     def measure(self, server: Server, i: int) -> None:
-        """Its ``i``-th trace of the round, then (with ``--pinned``) one of the same shape pinned to each mode:
-        drift hits every row alike."""
+        """Its ``i``-th trace of the round and (with ``--pinned``) one of the same text pinned to each mode, their
+        order rotated by ``i``: drift hits every row alike, and no row always runs first after the server resumes
+        or right after another row's trace."""
         args = self.args
         pinned = self.pinned[server.label] if i < args.pinned_repeats else []
-        for j, mode in enumerate([None, *pinned]):
+        for j, mode in rotated(list(enumerate([None, *pinned])), i):
             label = server.label if mode is None else f"{server.label} pinned {mode}"
             if label in self.failed:
                 continue

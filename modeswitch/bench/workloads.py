@@ -80,11 +80,16 @@ class TextSource:
 T = TypeVar("T")
 
 
+def rotated(items: list[T], by: int) -> list[T]:
+    """``items`` rotated left by ``by`` places (modulo their number): from the ``by``-th on, then those before it."""
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def rotated_rounds(contenders: list[T], count: int) -> list[tuple[int, T]]:
     """(round, contender) for ``count`` rounds over every contender, each round's order rotated by one from the
     last: a machine that slows down during a run slows every contender alike, and none always runs first."""
-    n = len(contenders)
-    return [(r, c) for r in range(count) for c in contenders[r % n:] + contenders[:r % n]]
+    return [(r, c) for r in range(count) for c in rotated(contenders, r)]
 
 
 def trace(source: TextSource, shapes: list[Shape], count: int, run: int, seed: int = 0) -> list[Slot]:

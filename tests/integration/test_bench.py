@@ -7,7 +7,8 @@ import pytest
 
 from modeswitch.bench import report
 from modeswitch.bench.client import send
-from modeswitch.bench.workloads import REFERENCE, Shape, TextSource, arrivals, prefix_reuse, rotated_rounds, trace
+from modeswitch.bench.workloads import (REFERENCE, Shape, TextSource, arrivals, prefix_reuse, rotated,
+                                        rotated_rounds, trace)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,7 @@ def test_rotated_rounds_run_every_contender_once_a_round_in_a_rotated_order():
     order = rotated_rounds(["a", "b", "c"], 4)
     assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
                      (2, "c"), (2, "a"), (2, "b"), (3, "a"), (3, "b"), (3, "c")]
+    assert rotated(["a", "b", "c"], 5) == ["c", "a", "b"] and rotated([], 2) == []
 
 
 def test_a_paused_server_takes_no_cpu_answers_nothing_and_resumes(tmp_path):
