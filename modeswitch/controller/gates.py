@@ -26,9 +26,10 @@ from .verdicts import Code, Verdict
 from .view import ModeView
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Cycle:
-    """One request's filtering: what every gate sees besides the mode."""
+    """One request's filtering: what every gate sees besides the mode (read, not changed: not frozen, as a frozen
+    dataclass's construction costs a decision about a microsecond more)."""
 
     features: Features
     policy: Policy

@@ -137,9 +137,8 @@ class RulePolicy:
         with ``order: predicted`` (and ``predict``) the one predicted to finish first. The reason is written when
         read (see :class:`~.policy.Choice`)."""
         rule = self.match(features)
-        candidates = rule.candidates(features) if rule is not None else self.default
+        groups = self._groups(rule.candidates(features)) if rule is not None else self._default_groups
         order = (rule.order if rule is not None and rule.order else self.order) if predict is not None else "listed"
-        groups = (candidates, tuple(m for m in self.fallback if m not in candidates))
         rule_name = rule.name if rule else None
         for i, group in enumerate(groups):
             admitted = [name for name in group if name not in filtered]
@@ -150,6 +149,15 @@ class RulePolicy:
                 return _fastest(admitted, predict, explain, rule_name)
             return Choice(admitted[0], partial(explain.listed, admitted[0]), rule_name)
         return Choice(None, _Explain(rule, features, filtered, groups, fallback=False).none, rule_name)
+
+    def _groups(self, candidates: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The modes to try: ``candidates``, then the fallback modes not among them."""
+        return candidates, tuple(m for m in self.fallback if m not in candidates)
+
+    @cached_property
+    def _default_groups(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """:meth:`_groups` of the default list, for the requests no rule matches (most): worked out once."""
+        return self._groups(self.default)
 
     @property
     def first_modes(self) -> tuple[str, ...]:
