@@ -128,8 +128,18 @@ def changing(s: dict) -> list[Row]:
             row[f"{phase} mean s"] = num(get(stats, "mean_s"))
         row["ModeSwitch's speed-up over it"] = (
             ratio(paired_ratio(phases, summary.get(ours))) if ours and server != ours else None)
+        row["CPU ms/token"] = num(cpu_per_token(phases.get("overall")))
         rows.append(row)
     return rows
+
+
+def cpu_per_token(overall: Any) -> float | None:
+    """Milliseconds of CPU the server's processes (front ends and engines) spent per generated token: the cores they
+    kept busy over the tokens a second. An idle engine that spins on its core counts: its user pays for it too."""
+    front, engines = get(overall, "front_cores"), get(overall, "engine_cores")
+    if not all(isinstance(c, (int, float)) for c in (front, engines)):
+        return None
+    return div(1000 * (front + engines), get(overall, "out_tok_s"))
 
 
 def paired_ratio(theirs: dict, ours: dict) -> float | None:
@@ -236,7 +246,8 @@ KINDS: list[tuple[str, str, str, Callable[[dict], list[Row]]]] = [
      "Against the run's first vLLM server: output tok/s (> 1x: more) and TTFT p50 (< 1x: sooner).", vs_vllm),
     ("changing", "A changing workload against vLLM's static configurations (`benchmarks/changing.py`)",
      "Mean latency per phase; the speed-up is the server's overall mean over ModeSwitch's (bold), over the runs "
-     "both have.", changing),
+     "both have; CPU ms/token: the CPU time its processes spent per generated token, over the whole trace.",
+     changing),
     ("modes", "Modes side by side (`benchmarks/modes.py`)",
      "Each mode against the fp16 mode on the same server: ms/token and TTFT (< 1x: faster), tok/s (> 1x: more).",
      modes),

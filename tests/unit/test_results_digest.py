@@ -57,3 +57,13 @@ def test_a_pinned_row_is_compared_over_the_runs_it_has():
     rows = digest.changing({"summary": summary, "requests_by_mode": {"ModeSwitch": {"m": 3}}})
     speed_up = {r["server"]: r["ModeSwitch's speed-up over it"] for r in rows}
     assert speed_up == {"**ModeSwitch**": None, "ModeSwitch pinned m": "2.00x", "vLLM": "2.00x"}
+
+
+def test_a_changing_row_gives_the_cpu_its_server_spent_per_token():
+    """The cores its front ends and engines kept busy over the tokens a second it generated, in ms; "-" for a run
+    summarized before the cores were recorded."""
+    summary = {"ModeSwitch": {"overall": {"mean_s": 1.0, "front_cores": 0.05, "engine_cores": 1.35, "out_tok_s": 140.0}},
+               "vLLM": {"overall": {"mean_s": 1.0, "front_cores": 0.05, "engine_cores": 1.95, "out_tok_s": 100.0}},
+               "older": {"overall": {"mean_s": 1.0, "out_tok_s": 100.0}}}
+    rows = digest.changing({"summary": summary, "requests_by_mode": {"ModeSwitch": {"m": 3}}})
+    assert {r["server"]: r["CPU ms/token"] for r in rows} == {"**ModeSwitch**": "10", "vLLM": "20", "older": None}
