@@ -124,12 +124,29 @@ class CapabilityGate(_EachMode):
 
 
 class CapacityGate:
-    """The mode's bounded queue has room; when every mode is full, waiting helps."""
+    """The mode's bounded queue has room; when every mode is full, waiting helps.
+
+    A request whose features count fewer requests in flight over all modes (``queue_depth``, read under the
+    service's routing lock, so no request was routed since) than the smallest bound among ``modes`` finds every
+    queue with room, and no mode is asked: the usual case, in which the asking was the larger part of a decision's
+    filtering with cold caches. The smallest bound is worked out once for each list of modes the gate is given (the
+    controller keeps the standing gates' list between decisions). A mode filled all the same since (a request
+    sent to its engine past the router) refuses the submission, and the decision is taken again without it."""
 
     name = "capacity"
     standing = False
 
+    def __init__(self) -> None:
+        #: the list of modes last asked about (held, so that its identity stays its own), and their smallest bound
+        self._smallest: tuple[list[ModeView] | None, int] = (None, 0)
+
     def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
+        known, smallest = self._smallest
+        if known is not modes:
+            smallest = min((mode.max_queue for mode in modes), default=0)
+            self._smallest = (modes, smallest)
+        if cycle.features.queue_depth < smallest:
+            return modes
         passed = []
         for mode in modes:
             n, bound = mode.in_flight, mode.max_queue

@@ -71,7 +71,7 @@ LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon
      "cannot honour temperature"),
     (Mode("gptq", capabilities=OPTIONS - {"prompt_logprobs", "logprobs"}),
      {"needs": ("logprobs", "prompt_logprobs", "seed")}, Code.CAPABILITY, "cannot honour logprobs, prompt_logprobs"),
-    (Mode("gptq", in_flight=4), {}, Code.SATURATED, "saturated: 4/4 in flight"),
+    (Mode("gptq", in_flight=4), {"queue_depth": 4}, Code.SATURATED, "saturated: 4/4 in flight"),
     (Mode("gptq"), {"memory_headroom": 0.01, "prompt_tokens": 1000, "max_tokens": 24}, Code.MEMORY,
      "memory pressure: 1.0% free < 5.0%, and this mode would allocate ~1.0 MiB of KV for the request"),
     (Mode("gptq", j_per_token=3.0), {}, Code.ENERGY,
@@ -110,7 +110,7 @@ def test_a_refusal_carries_the_most_hopeful_code_of_its_verdicts():
 
     ctl = controller(RULES, Mode("fp16", in_flight=4), Mode("gptq", available=False, reason="x"))
     with pytest.raises(NoEligibleMode) as exc:
-        ctl.decide(feats())
+        ctl.decide(feats(queue_depth=4))
     assert exc.value.code is Code.SATURATED and exc.value.code.transient
     ctl.modes["fp16"].in_flight = 0
     ctl.modes["fp16"].capabilities = frozenset()
@@ -138,6 +138,22 @@ def test_a_pinned_mode_is_refused_with_its_own_code():
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(), pinned="gptq")
     assert exc.value.code is Code.QUARANTINED and "quarantined for 3 s after: boom" in str(exc.value)
+
+
+def test_the_capacity_gate_asks_the_modes_only_when_the_requests_in_flight_could_fill_one():
+    """Fewer requests in flight over all modes, as the request's features count them, than the smallest queue
+    bound: no queue can be full and no mode is asked (one filled since is caught when it refuses the submission);
+    from there on every mode is asked what it holds. The smallest bound is read again when a mode's standing
+    changes (a restarted engine may bound its queue otherwise)."""
+    changes = [0]
+    modes = {"fp16": Mode("fp16", in_flight=4), "gptq": Mode("gptq", max_queue=8)}
+    ctl = Controller(modes, policy_from(RULES), standing=lambda: changes[0])
+    assert ctl.filter(feats(queue_depth=3)) == {}
+    assert ctl.filter(feats(queue_depth=4)) == {"fp16": Verdict(Code.SATURATED, "saturated: 4/4 in flight")}
+    modes["fp16"].max_queue = 2
+    assert ctl.filter(feats(queue_depth=3)) == {}  # its standing unchanged: the bound kept
+    changes[0] += 1
+    assert ctl.filter(feats(queue_depth=3)) == {"fp16": Verdict(Code.SATURATED, "saturated: 4/2 in flight")}
 
 
 # ---------------------------------------------------------------------------------------------- observers
