@@ -127,11 +127,12 @@ class CapacityGate:
     """The mode's bounded queue has room; when every mode is full, waiting helps.
 
     A request whose features count fewer requests in flight over all modes (``queue_depth``, read under the
-    service's routing lock, so no request was routed since) than the smallest bound among ``modes`` finds every
-    queue with room, and no mode is asked: the usual case, in which the asking was the larger part of a decision's
-    filtering with cold caches. The smallest bound is worked out once for each list of modes the gate is given (the
-    controller keeps the standing gates' list between decisions). A mode filled all the same since (a request
-    sent to its engine past the router) refuses the submission, and the decision is taken again without it."""
+    service's routing lock: no request was routed since, unless the decision is a failed attempt's retry) than the
+    smallest bound among ``modes`` finds every queue with room, and no mode is asked: the usual case, in which the
+    asking was the larger part of a decision's filtering with cold caches. The smallest bound is worked out once for
+    each list of modes the gate is given (the controller keeps the standing gates' list between decisions). A mode
+    filled all the same since (a retry's, or a request sent to its engine past the router) refuses the submission,
+    and the decision is taken again without it."""
 
     name = "capacity"
     standing = False
