@@ -124,3 +124,25 @@ def test_saturated_mode_answers_503_with_retry_after_and_loses_nothing(make_app)
     assert all(r.json()["usage"]["completion_tokens"] == 10 for r in ok)
     assert app.get("/health").status_code == 200  # and the server carries on
     assert app.complete(max_tokens=2, mode="fp16")["modeswitch"]["mode"] == "fp16"
+
+
+def test_a_mode_found_full_at_submission_is_skipped_and_the_next_one_answers(make_app, monkeypatch):
+    """A decision may count the requests in flight from an earlier reading (a failed attempt's retry decides on the
+    request's first features), and the capacity gate then passes every mode: the mode whose queue filled since
+    refuses the request, and the next mode of the policy's list answers it, the refusal in its attempts."""
+    import dataclasses
+
+    from modeswitch.engines.base import GenRequest
+    from modeswitch.sampling_params import SamplingParams
+
+    app = make_app(modes=("fp16", "prefix_cache"), policy="name: t\nrules: []\ndefault: [fp16, prefix_cache]\n",
+                   scripts={"fp16": Script(token_s=0.5)})
+    fp16 = app.service.registry.modes["fp16"].engine
+    for _ in range(fp16.max_queue):  # past the router: fp16 full
+        fp16.submit(GenRequest(prompt_ids=[104, 105], params=SamplingParams(max_tokens=4)))
+    read = app.service.features
+    monkeypatch.setattr(app.service, "features", lambda *a, **k: dataclasses.replace(
+        read(*a, **k), queue_depth=0, in_flight_by_mode={}))  # as read before fp16 filled
+    block = app.complete(max_tokens=2)["modeswitch"]
+    assert block["mode"] == "prefix_cache"
+    assert block["attempts"][0].startswith("fp16: ") and "in flight, limit" in block["attempts"][0]
