@@ -74,6 +74,9 @@ REMEASURE_IDLE_S = 600.0
 #: request got to be learned (a ratio to nearly nothing says nothing), and the most that share is counted at
 MIN_PREDICTED_GAIN = 0.1
 MAX_YIELD = 2.0
+#: a lane's state in a prediction (requests, prompt tokens queued, other engines' turns, requests met) with nothing
+#: in flight on it or near it
+_IDLE_LANE = (0, 0, 0.0, 0.0)
 
 
 class Prediction(NamedTuple):
@@ -382,6 +385,7 @@ class CostModel:
                 lane = places[m][0] if m in places else ""
                 queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
+        busy = bool(on_lane or queued)  # on an idle server every lane's state is _IDLE_LANE: not worked out
         #: lane -> (requests, prompt tokens not computed, one step of each busy engine, the requests counted by their
         #: share of this request's steps) on the lanes near it
         near_lanes: dict[str, tuple[int, int, float, float]] = {}
@@ -416,7 +420,7 @@ class CostModel:
             if costs is None or not costs.measured:
                 return None
             step_at = costs.step.at
-            lane_load, ahead, turn, lane_met = lane_state(lane)
+            lane_load, ahead, turn, lane_met = lane_state(lane) if busy else _IDLE_LANE
             mine = on_engine.get(engine, 0)
             meets = round(met_engine.get(engine, 0.0) * 4) / 4 + 1  # to a quarter: a curve keeps what it has read
             own_step = step_at(meets)
