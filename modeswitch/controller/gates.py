@@ -126,33 +126,38 @@ class CapabilityGate(_EachMode):
 class CapacityGate:
     """The mode's bounded queue has room; when every mode is full, waiting helps.
 
-    A request whose features count fewer requests in flight over all modes (``queue_depth``, read under the
-    service's routing lock: no request was routed since, unless the decision is a failed attempt's retry) than the
-    smallest bound among ``modes`` finds every queue with room, and no mode is asked: the usual case, in which the
-    asking was the larger part of a decision's filtering with cold caches. The smallest bound is worked out once for
-    each list of modes the gate is given (the controller keeps the standing gates' list between decisions). A mode
-    filled all the same since (a retry's, or a request sent to its engine past the router) refuses the submission,
-    and the decision is taken again without it."""
+    It reads the requests in flight as the request's features count them (``in_flight_by_mode``, ``queue_depth``:
+    read under the service's routing lock, so no request was routed since, unless the decision is a failed
+    attempt's retry), as the policy's cost model does; with fewer in flight over all modes than the smallest bound,
+    every queue has room and nothing is read at all. The modes' names and bounds are read once for each list of
+    modes the gate is given (the controller keeps the standing gates' list between decisions, and a new engine
+    changes the standing): a decision then reads no mode's properties here, with cold caches the larger part of its
+    filtering. A mode filled all the same since (a retry's, or a request sent to its engine past the router)
+    refuses the submission, and the decision is taken again without it."""
 
     name = "capacity"
     standing = False
 
     def __init__(self) -> None:
-        #: the list of modes last asked about (held, so that its identity stays its own), and their smallest bound
-        self._smallest: tuple[list[ModeView] | None, int] = (None, 0)
+        #: the list of modes last given (held, so that its identity stays its own), each mode with its name and
+        #: bound, and the smallest bound
+        self._bounds: tuple[list[ModeView] | None, tuple[tuple[ModeView, str, int], ...], int] = (None, (), 0)
 
     def admit(self, modes: list[ModeView], cycle: Cycle, filtered: dict[str, Verdict]) -> list[ModeView]:
-        known, smallest = self._smallest
+        known, bounds, smallest = self._bounds
         if known is not modes:
-            smallest = min((mode.max_queue for mode in modes), default=0)
-            self._smallest = (modes, smallest)
-        if cycle.features.queue_depth < smallest:
+            bounds = tuple((mode, mode.name, mode.max_queue) for mode in modes)
+            smallest = min((bound for *_, bound in bounds), default=0)
+            self._bounds = (modes, bounds, smallest)
+        features = cycle.features
+        if features.queue_depth < smallest:
             return modes
+        counts = features.in_flight_by_mode
         passed = []
-        for mode in modes:
-            n, bound = mode.in_flight, mode.max_queue
+        for mode, name, bound in bounds:
+            n = counts.get(name, 0)
             if n >= bound:
-                filtered[mode.name] = Verdict(Code.SATURATED, f"saturated: {n}/{bound} in flight")
+                filtered[name] = Verdict(Code.SATURATED, f"saturated: {n}/{bound} in flight")
             else:
                 passed.append(mode)
         return passed

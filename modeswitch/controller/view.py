@@ -31,12 +31,9 @@ class ModeView(Protocol):
         """Why it is unavailable (empty when available)."""
 
     @property
-    def in_flight(self) -> int:
-        """Requests queued or running."""
-
-    @property
     def max_queue(self) -> int:
-        """The bound on ``in_flight``: at it the mode is saturated."""
+        """The bound on its requests queued or running (``Features.in_flight_by_mode``): at it the mode is
+        saturated."""
 
     @property
     def batch_slots(self) -> int:

@@ -34,7 +34,6 @@ class Mode:
     available: bool = True
     loading: bool = False
     reason: str = ""
-    in_flight: int = 0
     max_queue: int = 4
     batch_slots: int = 1
     speculative: bool = False
@@ -71,7 +70,7 @@ LEARNED = "type: learned\nmodes: [fp16, gptq]\nexplore: {min_samples: 0, epsilon
      "cannot honour temperature"),
     (Mode("gptq", capabilities=OPTIONS - {"prompt_logprobs", "logprobs"}),
      {"needs": ("logprobs", "prompt_logprobs", "seed")}, Code.CAPABILITY, "cannot honour logprobs, prompt_logprobs"),
-    (Mode("gptq", in_flight=4), {"queue_depth": 4}, Code.SATURATED, "saturated: 4/4 in flight"),
+    (Mode("gptq"), {"queue_depth": 4, "in_flight_by_mode": {"gptq": 4}}, Code.SATURATED, "saturated: 4/4 in flight"),
     (Mode("gptq"), {"memory_headroom": 0.01, "prompt_tokens": 1000, "max_tokens": 24}, Code.MEMORY,
      "memory pressure: 1.0% free < 5.0%, and this mode would allocate ~1.0 MiB of KV for the request"),
     (Mode("gptq", j_per_token=3.0), {}, Code.ENERGY,
@@ -108,11 +107,10 @@ def test_a_refusal_carries_the_most_hopeful_code_of_its_verdicts():
     assert most_hopeful([Code.NOT_LOADED, Code.UNAVAILABLE, Code.CAPABILITY]) is Code.CAPABILITY
     assert most_hopeful([]) is Code.UNAVAILABLE
 
-    ctl = controller(RULES, Mode("fp16", in_flight=4), Mode("gptq", available=False, reason="x"))
+    ctl = controller(RULES, Mode("fp16"), Mode("gptq", available=False, reason="x"))
     with pytest.raises(NoEligibleMode) as exc:
-        ctl.decide(feats(queue_depth=4))
+        ctl.decide(feats(queue_depth=4, in_flight_by_mode={"fp16": 4}))
     assert exc.value.code is Code.SATURATED and exc.value.code.transient
-    ctl.modes["fp16"].in_flight = 0
     ctl.modes["fp16"].capabilities = frozenset()
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(greedy=0, needs=("temperature",)))
@@ -134,26 +132,30 @@ def test_while_the_policys_modes_load_a_request_goes_to_a_mode_that_passed_every
 
 
 def test_a_pinned_mode_is_refused_with_its_own_code():
-    ctl = controller(RULES, Mode("fp16", in_flight=4), Mode("gptq", quarantine_s=3.0, last_error="boom"))
+    ctl = controller(RULES, Mode("fp16"), Mode("gptq", quarantine_s=3.0, last_error="boom"))
     with pytest.raises(NoEligibleMode) as exc:
         ctl.decide(feats(), pinned="gptq")
     assert exc.value.code is Code.QUARANTINED and "quarantined for 3 s after: boom" in str(exc.value)
 
 
-def test_the_capacity_gate_asks_the_modes_only_when_the_requests_in_flight_could_fill_one():
-    """Fewer requests in flight over all modes, as the request's features count them, than the smallest queue
-    bound: no queue can be full and no mode is asked (one filled since is caught when it refuses the submission);
-    from there on every mode is asked what it holds. The smallest bound is read again when a mode's standing
-    changes (a restarted engine may bound its queue otherwise)."""
+def test_the_capacity_gate_reads_the_requests_in_flight_the_features_count():
+    """A mode whose count of requests in flight, as the request's features give it, reaches its queue bound is
+    saturated; with fewer in flight over all modes than the smallest bound no mode is asked (one filled since is
+    caught when it refuses the submission). The bounds are read again when a mode's standing changes (a
+    restarted engine may bound its queue otherwise)."""
     changes = [0]
-    modes = {"fp16": Mode("fp16", in_flight=4), "gptq": Mode("gptq", max_queue=8)}
+    modes = {"fp16": Mode("fp16"), "gptq": Mode("gptq", max_queue=8)}
     ctl = Controller(modes, policy_from(RULES), standing=lambda: changes[0])
-    assert ctl.filter(feats(queue_depth=3)) == {}
-    assert ctl.filter(feats(queue_depth=4)) == {"fp16": Verdict(Code.SATURATED, "saturated: 4/4 in flight")}
+    four = {"fp16": 4}
+    assert ctl.filter(feats(queue_depth=3, in_flight_by_mode={"fp16": 3})) == {}
+    assert ctl.filter(feats(queue_depth=4, in_flight_by_mode=four)) == {
+        "fp16": Verdict(Code.SATURATED, "saturated: 4/4 in flight")}
+    assert ctl.filter(feats(queue_depth=3, in_flight_by_mode=four)) == {}  # a stale count, below every bound
     modes["fp16"].max_queue = 2
-    assert ctl.filter(feats(queue_depth=3)) == {}  # its standing unchanged: the bound kept
+    assert ctl.filter(feats(queue_depth=3, in_flight_by_mode={"fp16": 3})) == {}  # its standing unchanged
     changes[0] += 1
-    assert ctl.filter(feats(queue_depth=3)) == {"fp16": Verdict(Code.SATURATED, "saturated: 4/2 in flight")}
+    assert ctl.filter(feats(queue_depth=3, in_flight_by_mode={"fp16": 3})) == {
+        "fp16": Verdict(Code.SATURATED, "saturated: 3/2 in flight")}
 
 
 # ---------------------------------------------------------------------------------------------- observers
