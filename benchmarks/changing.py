@@ -335,9 +335,9 @@ def report(summary: dict[str, dict[str, dict]]) -> str:
             cells = []
             for p in PHASES:
                 own = summary[label][p]["run_means_s"]
-                best = min(static, key=lambda l: paired(summary[l][p]["run_means_s"], own)[0])
-                theirs, mine = paired(summary[best][p]["run_means_s"], own)
-                ratio = theirs / mine
+                pairs = {l: paired(summary[l][p]["run_means_s"], own) for l in static}
+                best = min(static, key=lambda l: pairs[l][0])
+                ratio = pairs[best][0] / pairs[best][1]
                 # run by run, over the runs both sides have
                 per_run = [min(means) / run for i, run in enumerate(own)
                            if (means := [summary[l][p]["run_means_s"][i] for l in static
