@@ -17,12 +17,18 @@ import psutil
 TRIM_S = 30.0
 
 
-#: ``avx2``: the project's own choices take this CPU for one with AVX2 only (no AVX-512, no bf16), so that a
-#: developer on an AVX-512 machine runs the server and the test suite as an AVX2 machine would; unset (or empty):
-#: as the CPU is. It cannot change what is compiled per CPU (vLLM's kernel build, oneDNN's and PyTorch's own
-#: dispatch): see docs/tests.md, "Running the suite as an AVX2 machine would".
+#: ``avx2``: the project's own choices take this CPU for one with AVX2 only (no AVX-512, no bf16), and the libraries
+#: that dispatch their kernels at run time are held to AVX2 (:data:`KERNEL_CAPS`), so that a developer on an AVX-512
+#: machine runs the server, the benchmarks and the test suite as an AVX2 machine would; unset (or empty): as the CPU
+#: is. What is compiled per CPU (vLLM's own kernel build: its attention, its custom ops) stays this CPU's: see
+#: docs/tests.md, "Running the suite as an AVX2 machine would".
 CPU_ENV = "MODESWITCH_CPU"
-CPU_CLASSES = ("avx2",)
+#: per CPU class: the flags among :data:`CPU_FLAGS` it has (what :func:`machine` names, so that costs measured under
+#: the imitation are kept apart from the real CPU's), and the caps on run-time kernel dispatch: oneDNN's instruction
+#: set (its matmuls: vLLM's fp32 and W8A8 int8 linears), MKL's, PyTorch's own vectorized kernels'. Each library reads
+#: its cap on its first use, and every engine process inherits them.
+KERNEL_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
+CPU_CLASSES = {"avx2": ("avx2",)}
 
 
 def imitated_cpu() -> str | None:
@@ -33,6 +39,19 @@ def imitated_cpu() -> str | None:
     if value not in CPU_CLASSES:
         raise ValueError(f"{CPU_ENV}={value!r}: expected one of {', '.join(CPU_CLASSES)} (or unset)")
     return value
+
+
+def kernel_caps() -> dict[str, str]:
+    """The environment that holds run-time kernel dispatch to the imitated CPU class (empty without one)."""
+    imitated = imitated_cpu()
+    return dict(KERNEL_CAPS[imitated]) if imitated else {}
+
+
+def cap_kernels() -> None:
+    """Set :func:`kernel_caps` in this process's environment, before anything computes (a cap the user set wins),
+    for this process's libraries and every process it starts."""
+    for name, value in kernel_caps().items():
+        os.environ.setdefault(name, value)
 
 
 def cpu_has_avx512() -> bool:
@@ -154,7 +173,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
 def machine() -> str:
     """What a measured cost holds for: the GPU's name where one is in use, else the CPU's model, the flags among
-    :data:`CPU_FLAGS` it has, and its core count (an AVX2 and an AVX-512 machine run different kernels)."""
+    :data:`CPU_FLAGS` it has (those of the class :data:`CPU_ENV` imitates), and its core count (an AVX2 and an AVX-512
+    machine run different kernels)."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -165,4 +185,6 @@ def machine() -> str:
         lines = []
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "cpu")
     flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
+    if imitated := imitated_cpu():
+        flags &= set(CPU_CLASSES[imitated])
     return f"cpu {name} [{' '.join(f for f in CPU_FLAGS if f in flags)}] x{psutil.cpu_count()}"

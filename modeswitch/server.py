@@ -15,7 +15,7 @@ from dataclasses import replace
 from . import logs
 from .compose import build_app
 from .config import ServerConfig, add_server_flags, read_server_flags
-from .device import keep_heap_trimmed
+from .device import cap_kernels, keep_heap_trimmed
 from .evals.behind import score_behind
 from .memory import MemoryBudgetExceeded
 from .weights.presets import WeightsNotFound
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None, backend=None) -> int:
     """Serve until SIGTERM (drained) or Ctrl-C. ``backend``: the engine family to use instead of the one
     ``--backend`` selects (the test double of :mod:`modeswitch.testing` runs the real server this way)."""
     args = build_parser().parse_args(argv)
+    cap_kernels()  # before anything computes: the libraries read their caps once
     config = config_from_args(args)
     logs.configure(config.log_level, config.verbose)
     started = time.perf_counter()

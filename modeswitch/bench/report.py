@@ -36,8 +36,8 @@ def processor() -> str:
                 platform.processor() or platform.machine())
     isa = ("AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported()
            else platform.machine())
-    if imitated := imitated_cpu():  # the server's choices were an AVX2 machine's; the kernels, this one's
-        isa += f" (choices as {imitated.upper()}: MODESWITCH_CPU)"
+    if imitated := imitated_cpu():  # the choices and the run-time kernel dispatch were an AVX2 machine's
+        isa += f" (choices and oneDNN, MKL and ATen kernels as {imitated.upper()}: MODESWITCH_CPU)"
     return f"{name}, {isa}, {os.cpu_count()} cores"
 
 

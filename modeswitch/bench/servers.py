@@ -15,7 +15,7 @@ import psutil
 import requests
 
 from ..config import LoadConfig
-from ..device import resolve_device_dtype
+from ..device import kernel_caps, resolve_device_dtype
 from ..serving.launcher import ROOT, free_port, start_server, wait_calibrated, wait_loaded, wait_stopped
 from ..weights.precision import dtype_name
 
@@ -59,7 +59,7 @@ def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, st
     ModeSwitch's engines unless ``flags`` say otherwise (later flags win); (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+    env = {**kernel_caps(), **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
            **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),

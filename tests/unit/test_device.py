@@ -1,7 +1,8 @@
-"""Process memory: trimming the heap hands back what the allocator keeps after frees."""
+"""Process memory: trimming the heap hands back what the allocator keeps after frees; the AVX2 imitation."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -53,3 +54,35 @@ def test_the_avx2_imitation_takes_away_bf16_and_the_avx512_only_vllm_kernel(monk
         cpu_has_bf16()
     monkeypatch.delenv("MODESWITCH_CPU")
     assert cpu_has_bf16() == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+CAPPED = r"""
+from modeswitch.device import cap_kernels, machine
+cap_kernels()
+import torch
+a = torch.randn(64, 64)
+a @ a  # the first dispatch reads the cap
+print(torch.backends.cpu.get_cpu_capability(), machine())
+"""
+
+
+def test_the_avx2_imitation_holds_run_time_kernel_dispatch_to_avx2(monkeypatch):
+    """Under ``MODESWITCH_CPU=avx2`` a process that caps its kernels (the server does first thing, and its engines
+    inherit the environment) dispatches PyTorch's vectorized kernels at AVX2 on any CPU, and names its machine by
+    the AVX2 flag alone, so the costs it measures are kept apart from the real CPU's; a cap the user set wins."""
+    from modeswitch.device import kernel_caps, machine
+
+    monkeypatch.delenv("MODESWITCH_CPU", raising=False)
+    assert kernel_caps() == {}
+    monkeypatch.setenv("MODESWITCH_CPU", "avx2")
+    assert kernel_caps()["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    named = machine()
+    assert named.partition("[")[2].partition("]")[0] in ("avx2", "")  # no AVX-512 or AMX flag named
+    env = {k: v for k, v in os.environ.items() if k not in kernel_caps()}
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "AVX2" and out.stdout.strip().endswith(named)
+    env["ATEN_CPU_CAPABILITY"] = "default"  # the user's own cap is kept
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "DEFAULT"
