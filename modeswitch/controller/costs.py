@@ -488,15 +488,18 @@ class CostModel:
         """Per weights kind, the seconds per step at one request that its plain engine measured here (this
         machine, model and engine family, in this file: a run before this one), fastest first; what an engine
         layout may follow before the engines start (``modes.own_engine_on``). ``backend`` is the engine family
-        serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``)."""
+        serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``); a stream the fallback's
+        engine measured (its kernels card names that engine: GPTQ on transformers on an AVX2 CPU) is not one of
+        the family's, whose layout this orders."""
         kinds, out = set(weights), {}
         for key, data in self._saved.items():
             try:
-                version, mach, mod, back, stream, _ = json.loads(key)
+                version, mach, mod, back, stream, extra = json.loads(key)
                 step = Curve.load(data["step_s_by_engine_load"]).at(1)
-            except (ValueError, TypeError, KeyError):
+                engine = (extra.get("kernels") or {}).get("engine", backend).split(":")[0]
+            except (ValueError, TypeError, KeyError, AttributeError):
                 continue
-            if (version, mach, mod, back.split("+")[0]) == (CURVES_VERSION, machine, model, backend) \
+            if (version, mach, mod, back.split("+")[0], engine) == (CURVES_VERSION, machine, model, backend, backend) \
                     and stream in kinds and step:
                 out[stream] = min(step, out.get(stream, step))
         return dict(sorted(out.items(), key=lambda kv: kv[1]))

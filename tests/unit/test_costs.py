@@ -586,7 +586,8 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     """Mode files give int8+speculative an engine of its own (a burst spreads over two int8 engines: right where
     int8 is fast). Where an earlier run here measured the fp16 engine stepping faster than the int8 one (an AVX2
     CPU), the next start gives that engine to ``speculative`` instead; measured elsewhere, or not at all, the files
-    decide."""
+    decide. Weights the fallback's engine served there (GPTQ on transformers, stepping faster still) are not the
+    vLLM engines' to follow."""
     from modeswitch.compose import follow_measurements
     from modeswitch.device import machine
     from modeswitch.modes import load_modes
@@ -602,6 +603,12 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
             measured.add_prefill(stream, 16, 0.1)
             measured.add_step(stream, 1, step)
         measured.save()
+    fallback = CostModel(path)
+    fallback.bind(Binding(streams={"gptq": "gptq"}, lanes={}, engines={}, slots={}, keys={"gptq": stream_key(
+        machine(), "demo", "vllm+transformers", "gptq", {"kernels": {"engine": "transformers:gptq"}})}))
+    fallback.add_prefill("gptq", 16, 0.1)
+    fallback.add_step("gptq", 1, 0.04)
+    fallback.save()
     kinds = ("fp16", "int8", "gptq")
     assert list(CostModel(path).step_by_weights(machine(), "demo", "vllm", kinds)) == ["fp16", "int8"]
     assert list(CostModel(path).step_by_weights(other, "demo", "vllm", kinds)) == ["int8", "fp16"]
