@@ -56,11 +56,12 @@ def vllm_row(spec: str) -> tuple[str, dict[str, str], list[str]]:
 def start_vllm(model_dir: str, name: str, log_dir: Path, extra_env: dict[str, str],
                flags: list[str] = ()) -> tuple[subprocess.Popen, str, float]:
     """vLLM's own OpenAI server on a free port, in the reference dtype and at the default ``--max-model-len`` of
-    ModeSwitch's engines unless ``flags`` say otherwise (later flags win); (process, URL, start s)."""
+    ModeSwitch's engines unless ``flags`` say otherwise (later flags win), its kernels held to the CPU class
+    ``MODESWITCH_CPU`` imitates as ModeSwitch's are (``device.kernel_caps``); (process, URL, start s)."""
     port = free_port()
     log = (log_dir / f"vllm-server-{port}.log").open("w")
-    env = {**kernel_caps(), **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
-           **extra_env}
+    env = {**kernel_caps(), **os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "HF_HUB_OFFLINE": "1", **extra_env}
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, CLI, "serve", model_dir, "--served-model-name", name, "--port", str(port),
                              "--dtype", REFERENCE_DTYPE, "--max-model-len", str(LoadConfig.max_model_len), *flags],
