@@ -33,7 +33,7 @@ from ..config import BACKENDS, DTYPES, LoadConfig, ServerConfig
 from ..controller.load import load_policy
 from ..controller.quality import (QualityPolicy, change, describe_kernels, judge, kernels_key, runs,
                                   task_failure)
-from ..device import machine
+from ..device import cap_kernels, machine
 from ..files import replace_whole
 from ..modes import DEFAULT_MODES_DIR, load_modes
 from ..resources import REPORTS_DIR, shipped_report
@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="score nothing: add the runs of REPORT (written by this command elsewhere, e.g. on another "
                          "machine) to the report for its model and engine in --out")
     args = ap.parse_args(argv)
+    cap_kernels()  # as the server does: before anything computes, the engines it builds inheriting them
     if args.merge:
         path = None
         for run in runs(json.loads(Path(args.merge).read_text())):
