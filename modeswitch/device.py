@@ -10,6 +10,7 @@ import ctypes
 import os
 import threading
 import time
+from typing import NamedTuple
 
 import psutil
 
@@ -18,17 +19,27 @@ TRIM_S = 30.0
 
 
 #: ``avx2``: the project's own choices take this CPU for one with AVX2 only (no AVX-512, no bf16), and the libraries
-#: that dispatch their kernels at run time are held to AVX2 (:data:`KERNEL_CAPS`), so that a developer on an AVX-512
+#: that dispatch their kernels at run time are held to AVX2 (:data:`CPU_CLASSES`), so that a developer on an AVX-512
 #: machine runs the server, the benchmarks and the test suite as an AVX2 machine would; unset (or empty): as the CPU
 #: is. What is compiled per CPU (vLLM's own kernel build: its attention, its custom ops) stays this CPU's: see
 #: docs/tests.md, "Running the suite as an AVX2 machine would".
 CPU_ENV = "MODESWITCH_CPU"
-#: per CPU class: the flags among :data:`CPU_FLAGS` it has (what :func:`machine` names, so that costs measured under
-#: the imitation are kept apart from the real CPU's), and the caps on run-time kernel dispatch: oneDNN's instruction
-#: set (its matmuls: vLLM's fp32 and W8A8 int8 linears), MKL's, PyTorch's own vectorized kernels'. Each library reads
-#: its cap on its first use, and every engine process inherits them.
-KERNEL_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}}
-CPU_CLASSES = {"avx2": ("avx2",)}
+
+
+class CpuClass(NamedTuple):
+    """What imitating a CPU class means."""
+
+    #: the flags among :data:`CPU_FLAGS` it has: what :func:`machine` names, so that costs measured under the
+    #: imitation are kept apart from the real CPU's
+    flags: tuple[str, ...]
+    #: the caps on run-time kernel dispatch: oneDNN's instruction set (its matmuls: vLLM's fp32 and W8A8 int8
+    #: linears), MKL's, PyTorch's own vectorized kernels'. Each library reads its cap on its first use, and every
+    #: engine process inherits them.
+    kernel_caps: dict[str, str]
+
+
+CPU_CLASSES = {"avx2": CpuClass(("avx2",), {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                                            "ATEN_CPU_CAPABILITY": "avx2"})}
 
 
 def imitated_cpu() -> str | None:
@@ -44,7 +55,7 @@ def imitated_cpu() -> str | None:
 def kernel_caps() -> dict[str, str]:
     """The environment that holds run-time kernel dispatch to the imitated CPU class (empty without one)."""
     imitated = imitated_cpu()
-    return dict(KERNEL_CAPS[imitated]) if imitated else {}
+    return dict(CPU_CLASSES[imitated].kernel_caps) if imitated else {}
 
 
 def cap_kernels() -> None:
@@ -186,5 +197,5 @@ def machine() -> str:
     name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "cpu")
     flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
     if imitated := imitated_cpu():
-        flags &= set(CPU_CLASSES[imitated])
+        flags &= set(CPU_CLASSES[imitated].flags)
     return f"cpu {name} [{' '.join(f for f in CPU_FLAGS if f in flags)}] x{psutil.cpu_count()}"
