@@ -202,14 +202,16 @@ class CostModel:
         self._modes = {mode: (stream, binding.lanes.get(mode, ""), binding.engines.get(mode, mode),
                               binding.slots.get(mode, 1) or 1, mode in binding.drafting)
                        for mode, stream in binding.streams.items()}
-        #: engine -> (its plain stream, its weights), for the engines with a plain mode (``_idle_engines``)
-        self._plain: dict[str, tuple[str, str]] = {}
+        #: engine -> (the stream its steps are compared on: its plain one, else its drafting one; its weights; whether
+        #: that stream drafts), for ``_idle_engines``
+        self._compared: dict[str, tuple[str, str, bool]] = {}
         for mode, engine in binding.engines.items():
             self._engine_lane[engine] = binding.lanes.get(mode, "")
             if engine not in self._engine_stream or mode not in binding.drafting:
                 self._engine_stream[engine] = binding.streams.get(mode, engine)
-            if mode not in binding.drafting and mode in binding.streams:
-                self._plain[engine] = (binding.streams[mode], (binding.weights or {}).get(mode, ""))
+            drafts = mode in binding.drafting
+            if mode in binding.streams and (engine not in self._compared or self._compared[engine][2] and not drafts):
+                self._compared[engine] = (binding.streams[mode], (binding.weights or {}).get(mode, ""), drafts)
 
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
@@ -505,7 +507,8 @@ class CostModel:
         return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
     def idle_by_measurement(self) -> list[str]:
-        """The plain streams of the engines idle by measurement (:meth:`_idle_engines`)."""
+        """The streams the engines idle by measurement were compared on (:meth:`_idle_engines`): each one's plain
+        stream, a drafting-only engine's drafting one."""
         return sorted(self._engine_stream[e] for e in self._idle if e in self._engine_stream)
 
     def _find_idle(self) -> None:
@@ -515,22 +518,24 @@ class CostModel:
 
     def _idle_engines(self) -> frozenset[str]:
         """The engines whose plain stream is slower, at every load it has measured, than the plain stream of an
-        engine on other weights computing on an overlapping lane, measured at each of those loads too. Such an
-        engine's steps take turns with a faster one's on the same cores: any request it takes is served slower
-        and slows the faster engine's, so the measurements give it no work that pays (a gate or a pinned request
-        still may). Engines on the same weights are not compared: what tells them apart is what a request
-        finds there (a cached prefix, drafting), which its prediction already weighs. Worked out when a curve or
-        the binding changes, not per decision."""
-        plain: dict[str, tuple[Curve, str, str]] = {}  # engine -> its measured plain step curve, lane, weights
-        for engine, (stream, kind) in self._plain.items():
+        engine on other weights computing on an overlapping lane, measured at each of those loads too; an engine
+        that serves drafting modes only, likewise against the drafting-only engines. Such an engine's steps take
+        turns with a faster one's on the same cores: any request it takes is served slower and slows the faster
+        engine's, so the measurements give it no work that pays (a gate or a pinned request still may). Engines on
+        the same weights are not compared: what tells them apart is what a request finds there (a cached prefix,
+        drafting), which its prediction already weighs. Worked out when a curve or the binding changes, not per
+        decision."""
+        #: engine -> its measured step curve, lane, weights, whether it drafts
+        compared: dict[str, tuple[Curve, str, str, bool]] = {}
+        for engine, (stream, kind, drafts) in self._compared.items():
             costs = self._streams.get(stream)
             if costs is not None and costs.step.measured:
-                plain[engine] = (costs.step, self._engine_lane.get(engine, ""), kind)
+                compared[engine] = (costs.step, self._engine_lane.get(engine, ""), kind, drafts)
         idle = set()
-        for engine, (curve, lane, kind) in plain.items():
+        for engine, (curve, lane, kind, drafts) in compared.items():
             loads = [x for x, _, _ in curve.dump()]
-            for other, (faster, other_lane, other_kind) in plain.items():
-                if (other_kind != kind and other_lane in self._near.get(lane, ("",))
+            for other, (faster, other_lane, other_kind, other_drafts) in compared.items():
+                if (other_kind != kind and other_drafts == drafts and other_lane in self._near.get(lane, ("",))
                         and all(faster.samples(x) and faster.at(x) < curve.at(x) for x in loads)):
                     idle.add(engine)
                     break
