@@ -158,15 +158,18 @@ class EngineLayout:
         engine of a server computed on the same CPUs and the engines took turns. Here each engine gets as many
         CPUs (all but one: an engine's scheduler runs between its steps, on the same thread), rotated by one per
         engine: the first mode's engine first, then the others on its weights (a mode's engine of its own: the
-        two a burst is spread over), then the rest; so that two engines on the same weights serve a burst on
-        different cores at once. Empty on a GPU or a single CPU (nothing to rotate)."""
+        two a burst is spread over), then the rest, the engines on one set of weights one after another; so that
+        two engines on the same weights serve a burst on different cores at once. Empty on a GPU or a single CPU
+        (nothing to rotate)."""
         if not self.lanes():
             return []
         keys = self.engines(plan)
         cpus = affinity()
         first = self.first or keys[0]
         weights = {k: self.specs[plan.users[k][0]].weights for k in keys}
-        order = sorted(keys, key=lambda k: (k != first, weights[k] != weights[first], keys.index(k)))
+        kinds = list(dict.fromkeys(weights[k] for k in keys))
+        order = sorted(keys, key=lambda k: (k != first, weights[k] != weights[first], kinds.index(weights[k]),
+                                            keys.index(k)))
         i, width = order.index(key), len(cpus) - 1
         return [cpus[(i + j) % len(cpus)] for j in range(width)]
 
