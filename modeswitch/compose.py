@@ -19,7 +19,8 @@ from .controller.costs import CostModel
 from .controller.decide import Controller
 from .controller.load import load_policy
 from .device import machine
-from .modes import WEIGHTS, ModeSpec, load_modes, own_engine_on
+from .memory import MemoryBudgetExceeded
+from .modes import WEIGHTS, ModeSpec, load_modes, own_engine_on, own_engine_on_each
 from .resources import DEFAULT_POLICY, EXTRA_MODES_DIR, MODES_DIR, POLICIES_DIR, REPORTS_DIR, shipped_report
 from .serving.admission import Admission
 from .serving.calibrate import Calibration
@@ -45,10 +46,15 @@ def mode_specs(config: ServerConfig) -> tuple[list[ModeSpec], list[str]]:
 def follow_measurements(specs: list[ModeSpec], costs: CostModel, model: str, progress: Progress) -> list[ModeSpec]:
     """The engine layout where the measurements of an earlier run here choose it: a mode's engine of its own
     (the second engine a burst spreads over, on cores of its own) goes to the weights whose vLLM engine measured
-    the fastest step on this machine. With nothing measured yet the mode files decide."""
+    the fastest step on this machine. With nothing measured yet, the weights of each mode that decodes the same
+    way get one too (the first start measures them all; the next keeps the fastest's)."""
     steps = costs.step_by_weights(machine(), model, "vllm", WEIGHTS)
     if not steps:
-        return specs
+        hedged, given = own_engine_on_each(specs)
+        if given:
+            progress(f"engine layout: nothing measured here yet, so {', '.join(given)} also get an engine of their "
+                     f"own where the CPU has cores for one (the next start keeps only the fastest weights')")
+        return hedged
     fastest = next(iter(steps))
     specs, moved = own_engine_on(specs, fastest)
     if moved:
@@ -90,10 +96,20 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if config.w8a8:
         preset = dataclasses.replace(preset, w8a8=config.w8a8)
     costs = CostModel(config.costs_file or cache_dir() / "costs.json")
-    if config.calibrate:  # a server that measures its engines lays them out by what was measured
-        specs = follow_measurements(list(specs), costs, preset.name, progress)
-    registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
-    later = registry.load(progress, policy.first_modes if config.load.staged else ())
+    laid_out = follow_measurements(list(specs), costs, preset.name, progress) if config.calibrate else list(specs)
+    registry = ModeRegistry(preset, laid_out, config.load, backend=backend)
+    try:
+        later = registry.load(progress, policy.first_modes if config.load.staged else ())
+    except MemoryBudgetExceeded:
+        if sum(s.own_engine for s in laid_out) <= sum(s.own_engine for s in specs):
+            raise
+        # the engines a first start adds, to measure every weights', are not worth refusing to start over
+        progress("engine layout: the mode files' after all: an engine of its own for every weights exceeds the memory "
+                 "budget (the plan above)")
+        if backend is None:
+            registry.backend.close()
+        registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
+        later = registry.load(progress, policy.first_modes if config.load.staged else ())
     if not later:
         progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")

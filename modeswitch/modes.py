@@ -89,6 +89,13 @@ def parse_mode(data, source: str) -> ModeSpec:
     return mode
 
 
+def _like(spec: ModeSpec, other: ModeSpec) -> bool:
+    """Whether ``other`` serves requests as ``spec`` does (decoding, batching) on other weights, without an engine
+    of its own: where ``spec``'s engine of its own may go."""
+    return (other.weights != spec.weights and other.decoding == spec.decoding and other.batching == spec.batching
+            and not other.own_engine)
+
+
 def own_engine_on(specs: list[ModeSpec], weights: str) -> tuple[list[ModeSpec], list[str]]:
     """``specs`` with each engine of its own (``own_engine``) moved to the mode that decodes the same way on
     ``weights`` (the weights measured fastest where the server runs), where there is one: the second engine a
@@ -97,12 +104,29 @@ def own_engine_on(specs: list[ModeSpec], weights: str) -> tuple[list[ModeSpec], 
     for i, spec in enumerate(out):
         if not spec.own_engine or spec.weights == weights:
             continue
-        j = next((j for j, other in enumerate(out) if other.weights == weights and other.decoding == spec.decoding
-                  and other.batching == spec.batching and not other.own_engine), None)
+        j = next((j for j, other in enumerate(out) if other.weights == weights and _like(spec, other)), None)
         if j is not None:
             out[i], out[j] = replace(spec, own_engine=False), replace(out[j], own_engine=True)
             moved.append(f"{spec.name} -> {out[j].name}")
     return out, moved
+
+
+def own_engine_on_each(specs: list[ModeSpec]) -> tuple[list[ModeSpec], list[str]]:
+    """``specs`` with each engine of its own (``own_engine``) given as well to every mode that decodes the same way
+    on other weights (the first such mode on each): where nothing measured yet says which weights step fastest,
+    each has its second engine, and the measurements then leave the slower ones idle. Returns the specs and the
+    modes given one."""
+    out, given = list(specs), []
+    for spec in specs:
+        if not spec.own_engine:
+            continue
+        covered = {spec.weights}
+        for j, other in enumerate(out):
+            if other.weights not in covered and _like(spec, other):
+                out[j] = replace(other, own_engine=True)
+                covered.add(other.weights)
+                given.append(other.name)
+    return out, given
 
 
 def load_modes(*directories: Path) -> list[ModeSpec]:

@@ -171,6 +171,25 @@ def launch_transformers_server(tmp: Path) -> tuple[Launched, Path]:
                          "--no-calibrate", *REFERENCE_DTYPE), policy
 
 
+def laid_out_as_measured(path: Path) -> None:
+    """Have a server whose costs are kept in ``path`` lay its engines out as a start after a measured one does where
+    the int8 weights stepped fastest (the mode files' layout: ``speculative`` drafting on the fp16 engine beside the
+    plain modes, ``int8+speculative`` on an engine of its own), which the tests of an engine drafting for some of its
+    modes need; a first start here would give each speculative mode an engine of its own. The steps are kept under
+    keys no engine of the server has, so its calibration still measures every engine from nothing."""
+    from modeswitch.controller.costs import Binding, CostModel, stream_key
+    from modeswitch.device import machine
+
+    steps = {"int8": 0.02, "fp16": 0.03}
+    seeded = CostModel(path)
+    seeded.bind(Binding(streams={s: s for s in steps}, lanes={}, engines={}, slots={},
+                        keys={s: stream_key(machine(), "demo", "vllm", s, {}) for s in steps}))
+    for stream, step in steps.items():
+        seeded.add_prefill(stream, 16, step)
+        seeded.add_step(stream, 1, step)
+    seeded.save()
+
+
 @dataclass
 class Launches:
     """The real servers the selected tests use, launched at the session's start (None: no test uses it)."""
@@ -204,6 +223,7 @@ def launches(request, tmp_path_factory) -> Launches:
     started = Launches()
     if "vllm_server" in used and vllm_installed():
         home = tmp_path_factory.mktemp("vllm")  # its own cost file: it measures from nothing, as on a fresh machine
+        laid_out_as_measured(home / "costs.json")
         started.vllm = launch_server(home, *VLLM_SERVER_ARGS, "--costs-file", str(home / "costs.json"), idle=True)
     if "server" in used:
         started.transformers, started.policy_file = launch_transformers_server(tmp_path_factory.mktemp("server"))

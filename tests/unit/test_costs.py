@@ -347,6 +347,33 @@ def test_an_engine_slower_at_every_load_than_another_on_its_cores_is_idle_by_mea
     assert costs.idle_by_measurement() == []
 
 
+def test_an_engine_of_drafting_modes_only_is_idle_by_measurement_against_the_drafting_engines_on_its_cores():
+    """A first start gives each weights' speculative mode an engine of its own, on the same core: the one whose
+    drafting steps are slower at every load is idle; a plain engine's steps (no verification in them) are not what
+    a drafting engine is compared with."""
+    def model(int8_plain=False):
+        costs = CostModel()
+        engines = {"speculative": "speculative", "int8+speculative": "int8+speculative", "fp16": "fp16"}
+        streams = {"speculative": "speculative drafting", "int8+speculative": "int8+speculative drafting",
+                   "fp16": "fp16"}
+        if int8_plain:  # a plain int8 mode on that engine: compared as a plain engine, with fp16
+            engines["int8"], streams["int8"] = "int8+speculative", "int8+speculative"
+        costs.bind(Binding(streams=streams, lanes={m: "1" for m in engines}, engines=engines,
+                           slots={m: 4 for m in engines}, drafting=frozenset({"speculative", "int8+speculative"}),
+                           weights={m: "int8" if m.startswith("int8") else "fp16" for m in engines}))
+        for load in (1, 2, 4):
+            for stream, step in (("speculative drafting", 0.05), ("int8+speculative drafting", 0.14),
+                                 ("fp16", 0.2), ("int8+speculative", 0.1)):
+                costs.add_prefill(stream, 16, 0.01)
+                costs.add_step(stream, load, step * load)
+        return costs
+
+    costs = model()
+    assert costs.idle_by_measurement() == ["int8+speculative drafting"]
+    assert costs.predictor(feats(max_tokens=8)).idle == {"int8+speculative"}
+    assert model(int8_plain=True).idle_by_measurement() == ["fp16"]
+
+
 def test_a_mode_on_an_idle_engine_is_chosen_only_when_no_other_is_admitted():
     """Its own time may look shorter while the faster engine is busy; it still comes after every other measured
     mode (and is not even predicted then), and serves when the gates leave nothing else (memory pressure, a full
@@ -617,8 +644,46 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     moved = {m.name: m.own_engine for m in follow_measurements(shipped, CostModel(path), "demo", said.append)}
     assert moved["speculative"] and not moved["int8+speculative"] and "speculative" in said[0]
     assert sum(moved.values()) == sum(m.own_engine for m in shipped)
+    # nothing measured here yet: the first start gives each weights' speculative mode an engine of its own
     unmeasured = follow_measurements(shipped, CostModel(tmp_path / "none.json"), "demo", said.append)
-    assert unmeasured == shipped and len(said) == 1
+    assert {m.name for m in unmeasured if m.own_engine} == {"int8+speculative", "speculative"}
+    assert [replace(m, own_engine=False) for m in unmeasured] == [replace(m, own_engine=False) for m in shipped]
+    assert "speculative" in said[1] and len(said) == 2
+
+
+def test_a_first_start_that_has_no_memory_for_an_engine_of_its_own_on_every_weights_keeps_the_mode_files_layout(
+        tmp_path):
+    """The engines a first start adds (an engine of its own for each weights' speculative mode, to measure which
+    pays) are not worth refusing to start over: past the memory budget, the mode files' layout starts instead."""
+    from modeswitch.compose import build_app
+    from modeswitch.config import LoadConfig, ServerConfig
+    from modeswitch.testing.backend import WEIGHTS_BYTES, FakeBackend
+
+    class OwnEngines(FakeBackend):
+        """As vLLM plans an engine of its own: the mode's weights again, held by that engine."""
+
+        def footprint(self, spec):
+            own = super().footprint(spec)
+            return replace(own, weights=spec.name, weights_bytes={spec.name: WEIGHTS_BYTES}) if spec.own_engine else own
+
+    def start(budget_mib: float) -> tuple[dict[str, bool], list[str]]:
+        said: list[str] = []
+        config = ServerConfig(model="demo", modes=("fp16", "speculative", "int8", "int8+speculative"),
+                              gate_report="none", load=LoadConfig(staged=False, memory_budget=int(budget_mib * 2**20)),
+                              costs_file=tmp_path / f"costs-{budget_mib}.json", calibrate=True)
+        server = build_app(config, progress=said.append, backend=OwnEngines())
+        try:
+            return {name: m.spec.own_engine for name, m in server.service.registry.modes.items()}, said
+        finally:
+            server.close()
+
+    # the files' layout: fp16, int8 and int8+speculative's weights (1 MiB each), 4 modes' KV (2 MiB each); hedged,
+    # speculative's weights once more
+    hedged, said = start(12.5)
+    assert hedged["speculative"] and hedged["int8+speculative"] and "also get an engine" in said[0]
+    files, said = start(11.5)
+    assert not files["speculative"] and files["int8+speculative"]
+    assert any("the mode files' after all" in line for line in said)
 
 
 def test_a_drafting_engine_that_delivers_less_of_the_predicted_gain_when_busy_is_predicted_so():
