@@ -52,8 +52,8 @@ def follow_measurements(specs: list[ModeSpec], costs: CostModel, model: str, pro
     if not steps:
         hedged, given = own_engine_on_each(specs)
         if given:
-            progress(f"engine layout: nothing measured here yet, so {', '.join(given)} also get an engine of their "
-                     f"own where the CPU has cores for one (the next start keeps only the fastest weights')")
+            progress(f"engine layout: nothing measured here yet: an engine of its own for {', '.join(given)} too, "
+                     f"where the CPU has cores for one (the next start keeps only the fastest weights')")
         return hedged
     fastest = next(iter(steps))
     specs, moved = own_engine_on(specs, fastest)

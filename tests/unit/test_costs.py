@@ -680,7 +680,7 @@ def test_a_first_start_that_has_no_memory_for_an_engine_of_its_own_on_every_weig
     # the files' layout: fp16, int8 and int8+speculative's weights (1 MiB each), 4 modes' KV (2 MiB each); hedged,
     # speculative's weights once more
     hedged, said = start(12.5)
-    assert hedged["speculative"] and hedged["int8+speculative"] and "also get an engine" in said[0]
+    assert hedged["speculative"] and hedged["int8+speculative"] and "an engine of its own for speculative too" in said[0]
     files, said = start(11.5)
     assert not files["speculative"] and files["int8+speculative"]
     assert any("the mode files' after all" in line for line in said)
