@@ -114,8 +114,8 @@ def own_engine_on(specs: list[ModeSpec], weights: str) -> tuple[list[ModeSpec], 
 def own_engine_on_each(specs: list[ModeSpec]) -> tuple[list[ModeSpec], list[str]]:
     """``specs`` with each engine of its own (``own_engine``) given as well to every mode that decodes the same way
     on other weights (the first such mode on each): where nothing measured yet says which weights step fastest,
-    each has its second engine, and the measurements then leave the slower ones idle. Returns the specs and the
-    modes given one."""
+    each has its second engine, which the calibration measures and the predictions weigh. Returns the specs and
+    the modes given one."""
     out, given = list(specs), []
     for spec in specs:
         if not spec.own_engine:
