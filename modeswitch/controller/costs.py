@@ -202,16 +202,14 @@ class CostModel:
         self._modes = {mode: (stream, binding.lanes.get(mode, ""), binding.engines.get(mode, mode),
                               binding.slots.get(mode, 1) or 1, mode in binding.drafting)
                        for mode, stream in binding.streams.items()}
-        #: engine -> (the stream its steps are compared on: its plain one, else its drafting one; its weights; whether
-        #: that stream drafts), for ``_idle_engines``
-        self._compared: dict[str, tuple[str, str, bool]] = {}
+        #: engine -> (its weights, whether its own stream (``_engine_stream``) drafts), for ``_idle_engines``
+        self._compared: dict[str, tuple[str, bool]] = {}
         for mode, engine in binding.engines.items():
             self._engine_lane[engine] = binding.lanes.get(mode, "")
             if engine not in self._engine_stream or mode not in binding.drafting:
                 self._engine_stream[engine] = binding.streams.get(mode, engine)
-            drafts = mode in binding.drafting
-            if mode in binding.streams and (engine not in self._compared or self._compared[engine][2] and not drafts):
-                self._compared[engine] = (binding.streams[mode], (binding.weights or {}).get(mode, ""), drafts)
+                if mode in binding.streams:
+                    self._compared[engine] = ((binding.weights or {}).get(mode, ""), mode in binding.drafting)
 
     def _read(self) -> dict[str, Any]:
         if self.path is None or not self.path.is_file():
@@ -527,8 +525,8 @@ class CostModel:
         decision."""
         #: engine -> its measured step curve, lane, weights, whether it drafts
         compared: dict[str, tuple[Curve, str, str, bool]] = {}
-        for engine, (stream, kind, drafts) in self._compared.items():
-            costs = self._streams.get(stream)
+        for engine, (kind, drafts) in self._compared.items():
+            costs = self._streams.get(self._engine_stream[engine])
             if costs is not None and costs.step.measured:
                 compared[engine] = (costs.step, self._engine_lane.get(engine, ""), kind, drafts)
         idle = set()
