@@ -222,6 +222,13 @@ def gpu_check(s: dict) -> list[Row]:
     return [row]
 
 
+def int8_kernels(s: dict) -> list[Row]:
+    return [{"linear": f"{r.get('linear')} ({r.get('out')}x{r.get('in')})", "tokens": r.get("tokens"),
+             "FBGEMM ms": num(r.get("fbgemm_ms")),
+             "oneDNN / FBGEMM": ratio(div(r.get("onednn_ms"), r.get("fbgemm_ms"))),
+             "float32 / FBGEMM": ratio(div(r.get("float32_ms"), r.get("fbgemm_ms")))} for r in s.get("rows") or []]
+
+
 def gate(s: dict) -> list[Row]:
     rows = []
     for mode, tasks in (s.get("modes") or {}).items():
@@ -268,6 +275,8 @@ KINDS: list[tuple[str, str, str, Callable[[dict], list[Row]]]] = [
      "Per-request energy summed over a block against the meter's delta (pass: within 5 %).", energy),
     ("gpu_check", "GPU decode path (`benchmarks/gpu_check.py`)", "Decode ms/token against fp16 (< 1x: faster).",
      gpu_check),
+    ("int8_kernels", "One W8A8 int8 linear: vLLM's oneDNN matmul against FBGEMM (`benchmarks/int8_kernels.py`)",
+     "Time a call, oneDNN's and float32's over FBGEMM's (> 1x: FBGEMM faster).", int8_kernels),
     ("gate", "Quality gate reports", "Each task's score and its change against the reference mode.", gate),
 ]
 

