@@ -7,6 +7,7 @@ Shared by the backends (placing weights), the registry (the default memory budge
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import time
@@ -191,22 +192,33 @@ def machine() -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return f"cuda {torch.cuda.get_device_name()}"
     flags = " ".join(f for f in CPU_FLAGS if f in cpu_flags())
-    return f"cpu {_cpuinfo('model name') or 'cpu'} [{flags}] x{psutil.cpu_count()}"
+    return f"cpu {cpuinfo('model name') or 'cpu'} [{flags}] x{psutil.cpu_count()}"
 
 
-def _cpuinfo(field: str) -> str | None:
-    """The first ``field`` of /proc/cpuinfo (None where it has none, or off Linux)."""
+@functools.cache
+def _cpuinfo_fields() -> dict[str, str]:
+    """/proc/cpuinfo's fields, the first CPU's value of each (empty off Linux); read once, it does not change."""
     try:
         lines = open("/proc/cpuinfo").read().splitlines()
     except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), None)
+        return {}
+    fields: dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (``model name``, ``flags``), None where it has none or off Linux."""
+    return _cpuinfo_fields().get(field)
 
 
 def cpu_flags() -> set[str]:
     """This CPU's flags as /proc/cpuinfo lists them, those of the class :data:`CPU_ENV` imitates only (among
     :data:`CPU_FLAGS`) where one is imitated."""
-    flags = set((_cpuinfo("flags") or "").split())
+    flags = set((cpuinfo("flags") or "").split())
     if imitated := imitated_cpu():
         flags &= set(CPU_CLASSES[imitated].flags)
     return flags

@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any, Iterable
 
-from ..device import imitated_cpu
+from ..device import cpuinfo, imitated_cpu
 from .client import pct
 
 Records = list[dict[str, Any]]
@@ -30,10 +30,7 @@ def processor() -> str:
     same core count give different numbers (and different modes: vLLM's GPTQ needs AVX512)."""
     import torch
 
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-                platform.processor() or platform.machine())
+    name = cpuinfo("model name") or platform.processor() or platform.machine()
     isa = ("AVX512" if torch.cpu._is_avx512_supported() else "AVX2" if torch.cpu._is_avx2_supported()
            else platform.machine())
     if imitated := imitated_cpu():  # the choices and the run-time kernel dispatch were an AVX2 machine's
