@@ -192,6 +192,7 @@ def idle_cost(s: dict) -> list[Row]:
 
 def staged_start(s: dict) -> list[Row]:
     return [{"start": name, "ready s": num(v.get("ready_s")), "every mode up s": num(v.get("all_up_s")),
+             "modes while loading": ", ".join(v.get("modes_while_loading") or []) or "-",
              "ms/token while loading": num(v.get("ms_per_token_while_loading")),
              "ms/token after": num(v.get("ms_per_token_after"))} for name, v in (s.get("variants") or {}).items()]
 

@@ -11,13 +11,16 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .backends.base import Backend, Progress
 from .config import NO_GATE, ServerConfig
-from .controller.costs import CostModel
+from .controller.costs import CostModel, Measured
 from .controller.decide import Controller
+from .controller.gates import quality_verdict
 from .controller.load import load_policy
+from .controller.policy import Policy
+from .controller.quality import read_report
 from .device import machine
 from .memory import MemoryBudgetExceeded
 from .modes import WEIGHTS, ModeSpec, load_modes, own_engine_on, own_engine_on_each
@@ -58,10 +61,52 @@ def follow_measurements(specs: list[ModeSpec], costs: CostModel, model: str, pro
     fastest = next(iter(steps))
     specs, moved = own_engine_on(specs, fastest)
     if moved:
-        measured = ", ".join(f"{w} {s * 1e3:.0f} ms" for w, s in steps.items())
         progress(f"engine layout: an engine of its own for {'; '.join(moved)}: {fastest} weights step fastest "
-                 f"here ({measured} at one request, measured by an earlier run)")
+                 f"here ({_steps(steps)})")
     return specs
+
+
+def lead_by_measurement(first: Sequence[str], specs: Sequence[ModeSpec], steps: Mapping[str, Measured],
+                        passes: Callable[[str, Mapping | None], bool], progress: Progress) -> tuple[str, ...]:
+    """``first`` (the policy's modes for a plain request) with its first mode on the weights an earlier run here
+    measured stepping fastest (``steps``, fastest first) moved to the front, where ``passes(mode, card)`` (the
+    quality gate, on the kernels that engine was measured with) and the list's own first weights were measured
+    too. A staged start serves from the first mode's engine alone until the others are up: it should be the one
+    the measurements would send those requests to, not the reference weights a list names first for a machine
+    that measured nothing yet."""
+    weights = {spec.name: spec.weights for spec in specs}
+    listed = next((weights[name] for name in first if name in weights), None)
+    if listed not in steps:
+        return tuple(first)
+    for kind, measured in steps.items():
+        if kind == listed:
+            break
+        lead = next((name for name in first if weights.get(name) == kind and passes(name, measured.kernels)), None)
+        if lead is not None:
+            progress(f"staged start: {lead} first: {kind} weights step fastest here ({_steps(steps)}), and the "
+                     f"quality gate passes {lead} on the kernels measured")
+            return (lead, *(name for name in first if name != lead))
+    return tuple(first)
+
+
+def _steps(steps: Mapping[str, Measured]) -> str:
+    measured = ", ".join(f"{w} {m.step_s * 1e3:.0f} ms" for w, m in steps.items())
+    return f"{measured} at one request, measured by an earlier run"
+
+
+def staged_first(config: ServerConfig, policy: Policy, registry: ModeRegistry, specs: Sequence[ModeSpec],
+                 costs: CostModel, model: str, gate_cache: Path | None, progress: Progress) -> tuple[str, ...]:
+    """The modes a staged start picks its first engine from, in order (none: every engine starts before serving).
+    Where the policy orders by measurement, the weights measured fastest here lead (:func:`lead_by_measurement`)."""
+    if not config.load.staged:
+        return ()
+    if not policy.orders_by_measurement:
+        return policy.first_modes
+    path = gate_report_path(config, registry.gate_key)
+    report = read_report(path, gate_cache) if path is not None else None
+    steps = costs.step_by_weights(machine(), model, registry.backend_name.split("+")[0], WEIGHTS)
+    return lead_by_measurement(policy.first_modes, specs, steps, lambda mode, card: quality_verdict(
+        report, policy.quality, "general", mode, card) is None, progress)
 
 
 def all_shipped_modes() -> list[ModeSpec]:
@@ -98,8 +143,10 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     costs = CostModel(config.costs_file or cache_dir() / "costs.json")
     laid_out = follow_measurements(list(specs), costs, preset.name, progress) if config.calibrate else list(specs)
     registry = ModeRegistry(preset, laid_out, config.load, backend=backend)
+    gate_cache = None if config.gate_report else cache_dir() / "gate"  # a report given by path is enforced as it is
+    first = staged_first(config, policy, registry, laid_out, costs, preset.name, gate_cache, progress)
     try:
-        later = registry.load(progress, policy.first_modes if config.load.staged else ())
+        later = registry.load(progress, first)
     except MemoryBudgetExceeded:
         if sum(s.own_engine for s in laid_out) <= sum(s.own_engine for s in specs):
             raise
@@ -109,7 +156,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
         if backend is None:
             registry.backend.close()
         registry = ModeRegistry(preset, list(specs), config.load, backend=backend)
-        later = registry.load(progress, policy.first_modes if config.load.staged else ())
+        later = registry.load(progress, first)
     if not later:
         progress(f"modes:\n{registry.table()}")
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
@@ -117,8 +164,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
                             standing=registry.standing)
     report = gate_report_path(config, registry.gate_key)
     if report is not None:
-        if not config.gate_report:  # the shipped report, with the runs this machine scored itself (evals/behind.py);
-            controller.quality_cache = cache_dir() / "gate"  # a report given by path is enforced as it is
+        controller.quality_cache = gate_cache  # the shipped report's, with the runs this machine scored itself
         controller.load_quality_report(report)
         progress(f"quality gate: enforcing {report}")
     service = Service(registry, controller, preset.name)

@@ -99,6 +99,14 @@ class Prediction(NamedTuple):
                 "wait_s": self.wait_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s}
 
 
+class Measured(NamedTuple):
+    """A weights kind's step at one request as an earlier run here measured it, and its engine's kernels card then
+    (None where the engine did not describe its kernels)."""
+
+    step_s: float
+    kernels: Mapping[str, Any] | None
+
+
 class Predict(Protocol):
     """One request's predictions (:meth:`CostModel.predictor`): a mode's, or None while its stream has not measured
     both curves. ``idle``: the modes whose engine is idle by measurement (``CostModel._idle_engines``), which a
@@ -484,25 +492,26 @@ class CostModel:
         return {"calibration": self.calibration, "streams": out, "modes": dict(b.streams),
                 "path": str(self.path) if self.path else None}
 
-    def step_by_weights(self, machine: str, model: str, backend: str, weights: Iterable[str]) -> dict[str, float]:
+    def step_by_weights(self, machine: str, model: str, backend: str, weights: Iterable[str]) -> dict[str, Measured]:
         """Per weights kind, the seconds per step at one request that its plain engine measured here (this
-        machine, model and engine family, in this file: a run before this one), fastest first; what an engine
-        layout may follow before the engines start (``modes.own_engine_on``). ``backend`` is the engine family
-        serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``); a stream the fallback's
-        engine measured (its kernels card names that engine: GPTQ on transformers on an AVX2 CPU) is not one of
-        the family's, whose layout this orders."""
+        machine, model and engine family, in this file: a run before this one) with the kernels it ran, fastest
+        first; what an engine layout and a staged start's first engine may follow before the engines start
+        (``compose``). ``backend`` is the engine family serving them, alone or beside a fallback (``vllm``
+        matches ``vllm+transformers``); a stream the fallback's engine measured (its kernels card names that
+        engine: GPTQ on transformers on an AVX2 CPU) is not one of the family's, whose layout this orders."""
         kinds, out = set(weights), {}
         for key, data in self._saved.items():
             try:
                 version, mach, mod, back, stream, extra = json.loads(key)
                 step = Curve.load(data["step_s_by_engine_load"]).at(1)
-                engine = (extra.get("kernels") or {}).get("engine", backend).split(":")[0]
+                kernels = extra.get("kernels") or {}
+                engine = kernels.get("engine", backend).split(":")[0]
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue
             if (version, mach, mod, back.split("+")[0], engine) == (CURVES_VERSION, machine, model, backend, backend) \
-                    and stream in kinds and step:
-                out[stream] = min(step, out.get(stream, step))
-        return dict(sorted(out.items(), key=lambda kv: kv[1]))
+                    and stream in kinds and step and (stream not in out or step < out[stream].step_s):
+                out[stream] = Measured(step, kernels or None)
+        return dict(sorted(out.items(), key=lambda kv: kv[1].step_s))
 
     def idle_by_measurement(self) -> list[str]:
         """The streams the engines idle by measurement were compared on (:meth:`_idle_engines`): each one's plain

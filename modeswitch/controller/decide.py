@@ -8,7 +8,6 @@ working policy and requests in progress keep the policy they started with.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -17,7 +16,6 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from ..weight_kinds import REFERENCE_MODE
 from ..yamlconf import ConfigError
 from .completed import Completed, Observer
 from .costs import CostModel
@@ -25,7 +23,7 @@ from .features import Features
 from .gates import Cycle, gates
 from .load import load_policy
 from .policy import Choice, Policy
-from .quality import Judged, judge_mode, runs
+from .quality import Judged, judge_mode, read_report
 from .verdicts import Code, Verdict, most_hopeful
 from .view import ModeView
 
@@ -33,18 +31,6 @@ log = logging.getLogger(__name__)
 
 _NOT_LOADED = Verdict(Code.NOT_LOADED, "not loaded (--modes)")
 _EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
-
-
-def _read_report(path: Path) -> dict:
-    """A gate report read and checked: every run has the reference's results."""
-    try:
-        report = json.loads(path.read_text())
-        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE_MODE not in r["modes"]
-                                   for r in runs(report)):
-            raise ValueError(f"a run has no {REFERENCE_MODE} reference results")
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
-    return report
 
 
 class NoEligibleMode(RuntimeError):
@@ -264,13 +250,7 @@ class Controller:
         path = Path(path) if path else self.quality_report_path
         if path is None:
             raise ConfigError("no quality gate report configured (--gate-report)")
-        report = _read_report(path)
-        cached = self.quality_cache / path.name if self.quality_cache else None
-        if cached is not None and cached.is_file():
-            try:
-                report = {**report, "runs": [*runs(report), *runs(_read_report(cached))]}
-            except ConfigError as exc:
-                log.warning("quality gate: the runs scored here are left out: %s", exc)
+        report = read_report(path, self.quality_cache)
         self.quality_report, self.quality_report_path = report, path
         return report
 

@@ -21,7 +21,7 @@ from typing import Mapping, Protocol
 
 from .features import Features
 from .policy import Policy
-from .quality import Judged, judge_mode
+from .quality import QualityPolicy, judge_mode
 from .verdicts import Code, Verdict
 from .view import ModeView
 
@@ -201,22 +201,29 @@ class QualityGate:
             name, card = mode.name, mode.kernels
             judged = verdicts.get(name)
             if judged is None or judged[0] is not card:  # a card is replaced, not changed, when an engine restarts
-                judged = verdicts[name] = (card, self._verdict(judge_mode(report, quality, task, name, card),
-                                                               quality.require_gate))
+                judged = verdicts[name] = (card, quality_verdict(report, quality, task, name, card))
             if judged[1] is None:
                 passed.append(mode)
             else:
                 filtered[name] = judged[1]
         return passed
 
-    @staticmethod
-    def _verdict(judged: Judged | None, require_gate: bool) -> Verdict | None:
-        if judged is None:
-            return _NOT_IN_REPORT if require_gate else None
-        if judged.status == "pending":
-            return Verdict(Code.QUALITY, f"{judged.detail} (require_gate)") if require_gate \
-                else Verdict(Code.GATE_PENDING, judged.detail)
-        return None if judged.status == "pass" else Verdict(Code.QUALITY, judged.detail)
+
+
+def quality_verdict(report: Mapping | None, quality: QualityPolicy, task: str, mode: str,
+                    card: Mapping | None) -> Verdict | None:
+    """The quality gate's verdict on ``mode`` for a request of ``task`` where it serves on the kernels ``card``
+    describes (None: it passes): what the gate asks of every request, and what a staged start asks of the mode it
+    would lead with, on the kernels its engine was measured with."""
+    if report is None:
+        return _NO_REPORT if quality.require_gate else None
+    judged = judge_mode(report, quality, task, mode, card)
+    if judged is None:
+        return _NOT_IN_REPORT if quality.require_gate else None
+    if judged.status == "pending":
+        return Verdict(Code.QUALITY, f"{judged.detail} (require_gate)") if quality.require_gate \
+            else Verdict(Code.GATE_PENDING, judged.detail)
+    return None if judged.status == "pass" else Verdict(Code.QUALITY, judged.detail)
 
 
 class MemoryGate(_EachMode):

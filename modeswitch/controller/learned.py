@@ -241,6 +241,11 @@ class LearnedPolicy:
         """Any mode may win a plain request: the file's order."""
         return self.modes
 
+    @property
+    def orders_by_measurement(self) -> bool:
+        """It orders by what it learned of each mode, not by the engines' measured costs."""
+        return False
+
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
         return {"name": self.name, "type": "learned", "source": self.source, "description": self.description,

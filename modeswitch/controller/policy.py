@@ -99,6 +99,11 @@ class Policy(Protocol):
         """The modes a plain request goes to, in order of preference (what a staged start loads first)."""
 
     @property
+    def orders_by_measurement(self) -> bool:
+        """Whether a plain request goes to the mode its engine's measured costs predict to finish first, the list
+        ordering only what is not measured: then a staged start leads with the weights measured fastest here."""
+
+    @property
     def energy(self) -> EnergyPolicy: ...
 
     @property

@@ -10,10 +10,16 @@ Python, so the server imports it without lm-eval.
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Mapping
 
 from ..weight_kinds import REFERENCE_MODE
+from ..yamlconf import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,31 @@ def runs(report: Mapping) -> list[Mapping]:
     reference on the same kernels. The gate writes them under ``runs``; a report of a single run (its ``modes`` at
     the top) is that one run."""
     return list(report["runs"]) if "runs" in report else [report]
+
+
+def read_report(path: Path, cache: Path | None = None) -> dict:
+    """The gate report at ``path``, checked (every run has the reference's results), with the runs of its
+    namesake in ``cache`` (a directory of runs this machine scored itself, ``modeswitch.evals.behind``) after its
+    own: the newest. A broken report raises ConfigError; a broken cached one is left out."""
+    report = _checked(path)
+    cached = cache / path.name if cache is not None else None
+    if cached is not None and cached.is_file():
+        try:
+            report = {**report, "runs": [*runs(report), *runs(_checked(cached))]}
+        except ConfigError as exc:
+            log.warning("quality gate: the runs scored here are left out: %s", exc)
+    return report
+
+
+def _checked(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text())
+        if not runs(report) or any(not isinstance(r.get("modes"), dict) or REFERENCE_MODE not in r["modes"]
+                                   for r in runs(report)):
+            raise ValueError(f"a run has no {REFERENCE_MODE} reference results")
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a quality gate report: {exc}") from None
+    return report
 
 
 def kernels_key(card: Mapping | None) -> tuple | None:

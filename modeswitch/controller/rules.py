@@ -164,6 +164,10 @@ class RulePolicy:
         """A request no rule matches goes to the default list, then the fallback."""
         return tuple(_unique(self.default + self.fallback))
 
+    @property
+    def orders_by_measurement(self) -> bool:
+        return self.order == "predicted"
+
     @cached_property
     def caps_energy(self) -> bool:
         """Whether the policy or any rule caps energy at all (most do not: the energy gate then asks nothing)."""

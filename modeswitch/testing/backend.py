@@ -22,6 +22,11 @@ WEIGHTS_BYTES = 1 << 20
 KV_BYTES_PER_TOKEN = 1024
 
 
+#: how long a held mode's build waits for :attr:`FakeBackend.release` before it fails (a test that waits for a mode it
+#: should not, a staged start that leads with the wrong one, fails instead of hanging)
+HELD_S = 30.0
+
+
 class FakeBackend:
     name = "fake"
     device = "cpu"
@@ -56,8 +61,8 @@ class FakeBackend:
                          {spec.weights: WEIGHTS_BYTES})
 
     def build(self, spec: ModeSpec, plan: MemoryPlan, progress: Progress) -> BuiltMode:
-        if spec.name in self.held:
-            self.release.wait()
+        if spec.name in self.held and not self.release.wait(HELD_S):
+            raise VariantUnavailable(f"held {HELD_S:.0f} s and never released: a staged start waited for it")
         engine = self.engines[spec.name] = FakeEngine(spec, self.scripts.get(spec.name, self.default))
         details: dict[str, Any] = {"script": repr(engine.script)}
         if engine.script.cpus:

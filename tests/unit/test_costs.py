@@ -651,6 +651,67 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     assert "speculative" in said[1] and len(said) == 2
 
 
+def test_a_staged_start_leads_with_the_weights_measured_fastest_only_where_the_gate_passes_them_on_those_kernels():
+    """The default list names the reference weights first (nothing measured, they serve while the others load and
+    measure). Where an earlier run here measured int8 stepping faster, int8's first mode in the list leads instead,
+    if the shipped gate report passes it on the kernels its engine was measured with: not on kernels the report
+    never scored (pending), not under tolerances it fails, not where the reference weights were never measured
+    (nothing to compare), and not where int8 measured slower."""
+    from modeswitch.compose import lead_by_measurement
+    from modeswitch.controller.costs import Measured
+    from modeswitch.controller.gates import quality_verdict
+    from modeswitch.controller.quality import QualityPolicy, read_report, runs
+    from modeswitch.modes import load_modes
+    from modeswitch.resources import shipped_report
+
+    report = read_report(shipped_report("demo", "vllm"))
+    scored = runs(report)[-1]["kernels"]["int8+prefix_cache"]
+    specs, first = load_modes(), ("prefix_cache", "fp16", "int8+prefix_cache", "int8")
+
+    def lead(steps: dict, card=scored, quality=QualityPolicy()) -> str:
+        said: list[str] = []
+        fastest_first = {k: Measured(s, card) for k, s in sorted(steps.items(), key=lambda kv: kv[1])}
+        order = lead_by_measurement(first, specs, fastest_first,
+                                    lambda m, c: quality_verdict(report, quality, "general", m, c) is None, said.append)
+        assert sorted(order) == sorted(first) and bool(said) == (order[0] != first[0])
+        return order[0]
+
+    assert lead({"int8": 0.02, "fp16": 0.05}) == "int8+prefix_cache"
+    assert lead({"int8": 0.08, "fp16": 0.05}) == "prefix_cache"
+    assert lead({"int8": 0.02}) == "prefix_cache"
+    assert lead({"int8": 0.02, "fp16": 0.05}, card={**scored, "kernel": "some other kernel"}) == "prefix_cache"
+    assert lead({"int8": 0.02, "fp16": 0.05}, quality=QualityPolicy(max_ppl_increase_pct=5.0)) == "prefix_cache"
+
+
+def test_a_staged_start_serves_first_from_the_engine_an_earlier_run_measured_fastest_where_the_policy_orders_by_it(
+        make_app, tmp_path):
+    """Served end to end over the fake engines: with ``order: predicted`` the int8 engine, measured faster here by
+    an earlier run, is up first and serves while the reference weights load; a policy whose order is the list's
+    starts with the list's first mode, measured or not."""
+    from modeswitch.device import machine
+
+    measured = CostModel(tmp_path / "costs0.json")
+    steps = {"fp16": 0.05, "int8": 0.02}
+    measured.bind(Binding(streams={s: s for s in steps}, lanes={}, engines={}, slots={},
+                          keys={s: stream_key(machine(), "demo", "fake", s, {}) for s in steps}))
+    for stream, step in steps.items():
+        measured.add_prefill(stream, 16, 0.01)
+        measured.add_step(stream, 1, step)
+    measured.save()
+    (tmp_path / "costs1.json").write_text((tmp_path / "costs0.json").read_text())
+    modes = ("fp16", "prefix_cache", "int8")
+    policy = "name: p\norder: {}\nrules: []\ndefault: [prefix_cache, fp16, int8]\n"
+    predicted = make_app(modes=modes, policy=policy.format("predicted"), staged=True, held=("fp16", "prefix_cache"))
+    assert {m: s["status"] for m, s in predicted.modes().items()} == \
+        {"fp16": "loading", "prefix_cache": "loading", "int8": "available"}
+    assert predicted.complete("Hello", max_tokens=4)["modeswitch"]["mode"] == "int8"
+    predicted.backend.release.set()
+    listed = make_app(modes=modes, policy=policy.format("listed"), staged=True, held=("int8",))
+    assert {m: s["status"] for m, s in listed.modes().items()} == \
+        {"fp16": "available", "prefix_cache": "available", "int8": "loading"}
+    listed.backend.release.set()
+
+
 def test_a_first_start_that_has_no_memory_for_an_engine_of_its_own_on_every_weights_keeps_the_mode_files_layout(
         tmp_path):
     """The engines a first start adds (an engine of its own for each weights' speculative mode, to measure which
