@@ -21,7 +21,9 @@ tokens as the batch grows); n-gram with vLLM's OpenMP threads on every core; and
 n-gram server per core, each computing on its own, the requests sent to them in turn (round robin: what a user
 with one vLLM flag and a load balancer gets from every core). ``--w8a8-peer`` adds vLLM's server on ModeSwitch's
 W8A8 checkpoint with n-gram speculation (alone and one per core): the static configuration of ModeSwitch's int8
-modes, to tell the controller's part from the weights'.
+modes, to tell the controller's part from the weights'; on a CPU where ModeSwitch's int8 engines compute on FBGEMM
+(oneDNN lacking an int8 kernel: AVX2), also one per core on those same kernels (the plugin's ``FBGEMM_ENV``), to
+tell the controller's part from the kernel's.
 
 ``--code LABEL=DIR`` runs the ModeSwitch row of that label from another checkout (its serve.py and package), so two
 versions of the code run in one sequence: on a machine whose speed drifts by more than a change's effect, only
@@ -54,6 +56,8 @@ from modeswitch.bench.client import pct, send  # noqa: E402
 from modeswitch.bench.phases import phases  # noqa: E402
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.device import machine  # noqa: E402
+from modeswitch.engines.vllm.int8_fbgemm import onednn_lacks_int8_kernel  # noqa: E402
+from modeswitch.engines.vllm.plugin import FBGEMM_ENV  # noqa: E402
 from modeswitch.bench.servers import REFERENCE_DTYPE, Server  # noqa: E402
 from modeswitch.bench.workloads import rotated, rotated_rounds  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
@@ -85,6 +89,10 @@ def static_servers(w8a8_peer: bool, checkpoint: str | None) -> list[Server]:
         if len(os.sched_getaffinity(0)) > 1:
             servers.append(Server("vLLM W8A8 + n-gram k=5, one per core, round robin", checkpoint=checkpoint,
                                   per_core=True, vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
+        if len(os.sched_getaffinity(0)) > 1 and onednn_lacks_int8_kernel():  # ModeSwitch's int8 kernel here
+            servers.append(Server("vLLM W8A8 on FBGEMM + n-gram k=5, one per core, round robin", checkpoint=checkpoint,
+                                  per_core=True, env={FBGEMM_ENV: "1"},
+                                  vllm_flags=["--speculative-config", json.dumps(NGRAM)]))
     return servers
 
 

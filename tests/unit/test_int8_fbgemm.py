@@ -127,3 +127,25 @@ def test_only_where_onednn_lacks_an_int8_kernel(monkeypatch):
     before = cpu.CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
     int8_fbgemm.use_fbgemm_for_int8()
     assert cpu.CPUInt8ScaledMMLinearKernel.process_weights_for_onednn is before
+
+
+def test_vllms_own_server_gets_the_fbgemm_linears_only_when_asked(monkeypatch):
+    """The plugin loads into every vLLM process of the environment. In vLLM's own server (no ModeSwitch server
+    above it) it changes nothing, unless ``FBGEMM_ENV`` asks for the int8 linears ModeSwitch's engines use (a
+    like-with-like peer): then those, and nothing else of the plugin."""
+    from modeswitch.engines.vllm import drafting, plugin
+
+    kernel_class, name = compat.TARGETS["cpu_int8_onednn_weights"].owner()
+    monkeypatch.setenv("MODESWITCH_CPU", "avx2")
+    monkeypatch.delenv(plugin.SERVER_ENV, raising=False)
+    monkeypatch.setattr(compat, "_replaced", {})
+    monkeypatch.setattr(kernel_class, name, getattr(kernel_class, name))
+    shipped = getattr(kernel_class, name)
+    drafted = []
+    monkeypatch.setattr(drafting, "draft_per_request", drafted.append)
+    plugin.register()
+    assert getattr(kernel_class, name) is shipped and not drafted
+    monkeypatch.setenv(plugin.FBGEMM_ENV, "1")
+    plugin.register()
+    assert getattr(kernel_class, name) is not shipped and getattr(getattr(kernel_class, name), "fbgemm", False)
+    assert not drafted

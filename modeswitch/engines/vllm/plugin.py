@@ -27,7 +27,8 @@ engine-core processes from a fork server that imported vLLM once (:mod:`.forkser
 
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
 neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
-environment for the comparisons, runs as shipped. Every symbol it replaces is read and replaced through
+environment for the comparisons, runs as shipped; with ``FBGEMM_ENV=1`` it gets the FBGEMM int8 linears alone
+(what ModeSwitch's int8 engines compute with, for a like-with-like peer on a CPU where they use it). Every symbol it replaces is read and replaced through
 :mod:`.compat`, which it asks first whether the installed vLLM is one they were checked on.
 """
 
@@ -46,6 +47,9 @@ CPUS_KEY = "modeswitch_cpus"
 ONE_PROCESS_KEY = "modeswitch_one_process"
 #: the pid of the ModeSwitch server whose engines these processes are (``backends.vllm.start`` sets it)
 SERVER_ENV = "MODESWITCH_SERVER_PID"
+#: set to "1" for vLLM's own server (not ModeSwitch's) to put its W8A8 int8 linears on FBGEMM as ModeSwitch's engines
+#: do where oneDNN lacks an int8 kernel (``int8_fbgemm``), and nothing else of this plugin
+FBGEMM_ENV = "MODESWITCH_VLLM_FBGEMM_INT8"
 #: how often an engine process checks that its parent is still there
 PARENT_POLL_S = 1.0
 
@@ -56,6 +60,9 @@ def register() -> None:
     line: vLLM logs an exception from a plugin and goes on, which would leave an engine running unpatched (plain
     modes drafting unbounded, workers on the wrong CPUs)."""
     if not modeswitch_process():
+        if os.environ.get(FBGEMM_ENV) == "1":
+            _require_compatible()
+            int8_fbgemm.use_fbgemm_for_int8()
         return
     _require_compatible()
     if os.environ.get(ENV) == "1":
