@@ -174,12 +174,24 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
         if config.calibrate:
             Calibration(registry, costs, service.rebind, progress).start()
 
-    if later:
+    if later and not gate_passed(controller):
+        # the first engine's kernels are not those its gate verdict was measured on: serving from it alone would
+        # refuse every request until the others are up
+        progress(f"staged start: no mode up passes the quality gate on the kernels it serves with here: loading "
+                 f"{', '.join(s.name for s in later)} before serving")
+        registry.load_rest(later, progress, then=modes_up).join()
+    elif later:
         progress(f"staged start: loading {', '.join(s.name for s in later)} in the background")
         registry.load_rest(later, progress, then=modes_up)
     else:
         modes_up()
     return service
+
+
+def gate_passed(controller: Controller) -> list[str]:
+    """The modes up that the quality gate passes for a plain request, on the kernels they serve with."""
+    return [name for name, mode in controller.modes.items() if mode.available and quality_verdict(
+        controller.quality_report, controller.policy.quality, "general", name, mode.kernels) is None]
 
 
 @dataclass

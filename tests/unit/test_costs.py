@@ -712,6 +712,54 @@ def test_a_staged_start_serves_first_from_the_engine_an_earlier_run_measured_fas
     listed.backend.release.set()
 
 
+def test_a_staged_start_whose_fastest_engine_comes_up_on_kernels_its_gate_never_scored_loads_the_rest_first(tmp_path):
+    """The lead is chosen by the gate's verdict on the kernels its engine was measured with. Where the engine then
+    comes up on other kernels (a new kernel library since), its modes are pending and could serve nothing: rather
+    than refuse every request until the others are up, the server loads them before it serves."""
+    import json
+    import threading
+
+    from modeswitch.compose import build_app
+    from modeswitch.config import LoadConfig, ServerConfig
+    from modeswitch.device import machine
+    from modeswitch.testing.backend import FakeBackend
+
+    scored = {"weights": "int8", "weight_format": "w8a8", "activations": "int8", "compute": "float32", "kernel": "old"}
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"tasks": {"copy": {"higher_is_better": True}}, "kernels": {"int8": scored},
+                                  "modes": {"fp16": {"copy": {"value": 0.9}}, "int8": {"copy": {"value": 0.9}}}}))
+    measured = CostModel(tmp_path / "costs.json")
+    details = {"fp16": {}, "int8": {"kernels": scored}}
+    measured.bind(Binding(streams={s: s for s in details}, lanes={}, engines={}, slots={},
+                          keys={s: stream_key(machine(), "demo", "fake", s, d) for s, d in details.items()}))
+    for stream, step in (("fp16", 0.05), ("int8", 0.02)):
+        measured.add_prefill(stream, 16, 0.01)
+        measured.add_step(stream, 1, step)
+    measured.save()
+    policy = tmp_path / "p.yaml"
+    policy.write_text("name: p\norder: predicted\nrules: []\ndefault: [prefix_cache, fp16, int8]\n")
+
+    def start(kernel: str) -> tuple[dict[str, str], list[str]]:
+        said: list[str] = []
+        backend = FakeBackend(held=("fp16", "prefix_cache"), kernels={"int8": {**scored, "kernel": kernel}})
+        threading.Timer(1.0, backend.release.set).start()  # the reference weights' engine is up a second later
+        config = ServerConfig(model="demo", modes=("fp16", "prefix_cache", "int8"), policy=policy,
+                              gate_report=str(report), load=LoadConfig(staged=True), costs_file=tmp_path / "costs.json",
+                              calibrate=False)
+        server = build_app(config, progress=said.append, backend=backend)
+        try:
+            return {n: m.status for n, m in server.service.registry.modes.items()}, said
+        finally:
+            backend.release.set()
+            server.close()
+
+    same, said = start("old")  # as measured: int8 serves while the others load
+    assert same["int8"] == "available" and same["fp16"] == "loading" and any("int8 first" in line for line in said)
+    other, said = start("new")
+    assert set(other.values()) == {"available"}
+    assert any("no mode up passes the quality gate" in line for line in said)
+
+
 def test_a_first_start_that_has_no_memory_for_an_engine_of_its_own_on_every_weights_keeps_the_mode_files_layout(
         tmp_path):
     """The engines a first start adds (an engine of its own for each weights' speculative mode, to measure which
