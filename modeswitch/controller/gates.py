@@ -209,7 +209,6 @@ class QualityGate:
         return passed
 
 
-
 def quality_verdict(report: Mapping | None, quality: QualityPolicy, task: str, mode: str,
                     card: Mapping | None) -> Verdict | None:
     """The quality gate's verdict on ``mode`` for a request of ``task`` where it serves on the kernels ``card``

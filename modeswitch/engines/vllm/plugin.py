@@ -28,8 +28,9 @@ engine-core processes from a fork server that imported vLLM once (:mod:`.forkser
 The entry point loads into every vLLM process of the environment, so it does nothing at all in a process that is
 neither a ModeSwitch server nor one of its engines (``SERVER_ENV`` unset): vLLM's own server, started from the same
 environment for the comparisons, runs as shipped; with ``FBGEMM_ENV=1`` it gets the FBGEMM int8 linears alone
-(what ModeSwitch's int8 engines compute with, for a like-with-like peer on a CPU where they use it). Every symbol it replaces is read and replaced through
-:mod:`.compat`, which it asks first whether the installed vLLM is one they were checked on.
+(what ModeSwitch's int8 engines compute with, for a like-with-like peer on a CPU where they use it). Every symbol it
+replaces is read and replaced through :mod:`.compat`, which it asks first whether the installed vLLM is one they
+were checked on.
 """
 
 from __future__ import annotations
