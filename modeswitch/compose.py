@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .backends.base import Backend, Progress
 from .config import NO_GATE, ServerConfig
-from .controller.costs import CostModel, Measured
+from .controller.costs import CALIBRATED_LOADS, CostModel, Measured
 from .controller.decide import Controller
 from .controller.gates import quality_verdict
 from .controller.load import load_policy
@@ -91,7 +91,8 @@ def lead_by_measurement(first: Sequence[str], specs: Sequence[ModeSpec], steps: 
 
 def _steps(steps: Mapping[str, Measured]) -> str:
     measured = ", ".join(f"{w} {m.step_s * 1e3:.0f} ms" for w, m in steps.items())
-    return f"{measured} at one request, measured by an earlier run"
+    loads = f"{CALIBRATED_LOADS[0]}-{CALIBRATED_LOADS[-1]}"
+    return f"{measured} a step, the mean over {loads} requests, measured by an earlier run"
 
 
 def staged_first(config: ServerConfig, policy: Policy, registry: ModeRegistry, specs: Sequence[ModeSpec],

@@ -74,6 +74,9 @@ REMEASURE_IDLE_S = 600.0
 #: request got to be learned (a ratio to nearly nothing says nothing), and the most that share is counted at
 MIN_PREDICTED_GAIN = 0.1
 MAX_YIELD = 2.0
+#: the engine loads (requests in one batch) the calibration measures a step at, and over which the weights kinds'
+#: steps are compared before the engines start (:meth:`CostModel.step_by_weights`)
+CALIBRATED_LOADS = (1, 2, 4, 8, 16)
 #: a lane's state in a prediction (requests, prompt tokens queued, other engines' turns, requests met) with nothing
 #: in flight on it or near it
 _IDLE_LANE = (0, 0, 0.0, 0.0)
@@ -100,8 +103,8 @@ class Prediction(NamedTuple):
 
 
 class Measured(NamedTuple):
-    """A weights kind's step at one request as an earlier run here measured it, and its engine's kernels card then
-    (None where the engine did not describe its kernels)."""
+    """A weights kind's mean step over :data:`CALIBRATED_LOADS` as an earlier run here measured it, and its engine's
+    kernels card then (None where the engine did not describe its kernels)."""
 
     step_s: float
     kernels: Mapping[str, Any] | None
@@ -493,17 +496,21 @@ class CostModel:
                 "path": str(self.path) if self.path else None}
 
     def step_by_weights(self, machine: str, model: str, backend: str, weights: Iterable[str]) -> dict[str, Measured]:
-        """Per weights kind, the seconds per step at one request that its plain engine measured here (this
-        machine, model and engine family, in this file: a run before this one) with the kernels it ran, fastest
-        first; what an engine layout and a staged start's first engine may follow before the engines start
-        (``compose``). ``backend`` is the engine family serving them, alone or beside a fallback (``vllm``
-        matches ``vllm+transformers``); a stream the fallback's engine measured (its kernels card names that
-        engine: GPTQ on transformers on an AVX2 CPU) is not one of the family's, whose layout this orders."""
+        """Per weights kind, the mean seconds per step over :data:`CALIBRATED_LOADS` on the step curve its plain
+        engine measured here (this machine, model and engine family, in this file: a run before this one) with
+        the kernels it ran, fastest first; what an engine layout and a staged start's first engine may follow
+        before the engines start (``compose``). Over the loads, not at one request: the finished requests move
+        a bucket's mean load (1.7 requests in the first, say), and a curve reads flat below its first bucket, so
+        one request's step alone would compare one engine at 1.7 requests with another at 1. ``backend`` is the
+        engine family serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``); a
+        stream the fallback's engine measured (its kernels card names that engine: GPTQ on transformers on an
+        AVX2 CPU) is not one of the family's, whose layout this orders."""
         kinds, out = set(weights), {}
         for key, data in self._saved.items():
             try:
                 version, mach, mod, back, stream, extra = json.loads(key)
-                step = Curve.load(data["step_s_by_engine_load"]).at(1)
+                curve = Curve.load(data["step_s_by_engine_load"])
+                step = sum(curve.at(x) for x in CALIBRATED_LOADS) / len(CALIBRATED_LOADS) if curve.measured else 0
                 kernels = extra.get("kernels") or {}
                 engine = kernels.get("engine", backend).split(":")[0]
             except (ValueError, TypeError, KeyError, AttributeError):

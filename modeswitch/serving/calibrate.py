@@ -6,7 +6,7 @@ requests go straight to one of the stream's modes:
 
 - prefill: one request per prompt length in :data:`PROMPT_TOKENS` (random token ids, so no prefix cache
   holds them), timed to its first token, :data:`ROUNDS` times (the fastest counts);
-- step: at each load in :data:`LOADS` up to what the engine batches, that many requests together, each made
+- step: at each load in ``CALIBRATED_LOADS`` up to what the engine batches, that many requests together, each made
   to generate :data:`TOKENS` tokens (``ignore_eos``), timed per token after the first (their median; the
   fastest of :data:`ROUNDS` such runs counts). A drafting stream's
   requests quote a repeated sequence, so that the drafts are accepted and a step verifies them; its time per
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..controller.costs import CostModel
+from ..controller.costs import CALIBRATED_LOADS, CostModel
 from ..controller.curves import StreamCosts
 from ..controller.speculation import tokens_per_step
 from ..engines.base import GenRequest
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 #: prompt lengths whose prefill is timed (the curve is interpolated between them, flat below the first)
 PROMPT_TOKENS = (16, 64, 256, 1024)
 #: requests run together on an engine to time its step (capped by what it batches)
-LOADS = (1, 2, 4, 8, 16)
 #: tokens each step-timing request generates
 TOKENS = 16
 #: times each prompt length and each load is timed; the fastest counts (a machine's noise only adds time: another
@@ -187,7 +186,7 @@ class Calibration:
         for n in (n for n in PROMPT_TOKENS if n + 2 <= context):
             fresh.prefill.add(n, min(self._prefill(state, n) for _ in range(ROUNDS)))
         slots = max(state.batch_slots, 1)
-        for load in (n for n in LOADS if n <= min(slots, state.max_queue)):
+        for load in (n for n in CALIBRATED_LOADS if n <= min(slots, state.max_queue)):
             timed = [self._step(state, load, drafting) for _ in range(ROUNDS)]
             joined, seconds = min(timed, key=lambda t: t[1])
             fresh.step.add(load + joined, seconds)

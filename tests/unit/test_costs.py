@@ -639,6 +639,20 @@ def test_the_second_engine_goes_to_the_weights_an_earlier_run_measured_fastest_h
     kinds = ("fp16", "int8", "gptq")
     assert list(CostModel(path).step_by_weights(machine(), "demo", "vllm", kinds)) == ["fp16", "int8"]
     assert list(CostModel(path).step_by_weights(other, "demo", "vllm", kinds)) == ["int8", "fp16"]
+    # int8's first bucket moved to a mean of 1.7 requests by the requests it finished, which the curve reads flat
+    # below: at one request it reads as slow as fp16's calibrated 1-request step; over the loads it is faster
+    drifted = "cpu Drifted [avx2] x2"
+    curves = {"fp16": {1: 0.0357, 2: 0.0404, 4: 0.0512, 8: 0.065, 16: 0.0967},
+              "int8": {1.71: 0.0363, 3.65: 0.0462, 5.8: 0.0521, 11.95: 0.0716, 16: 0.0656}}
+    measured = CostModel(path)
+    measured.bind(Binding(streams={s: s for s in curves}, lanes={}, engines={}, slots={},
+                          keys={s: stream_key(drifted, "demo", "vllm", s, {}) for s in curves}))
+    for stream, steps in curves.items():
+        measured.add_prefill(stream, 16, 0.1)
+        for load, step in steps.items():
+            measured.add_step(stream, load, step)
+    measured.save()
+    assert list(CostModel(path).step_by_weights(drifted, "demo", "vllm", kinds)) == ["int8", "fp16"]
     shipped = load_modes()
     said = []
     moved = {m.name: m.own_engine for m in follow_measurements(shipped, CostModel(path), "demo", said.append)}
