@@ -95,17 +95,16 @@ def _steps(steps: Mapping[str, Measured]) -> str:
     return f"{measured} a step, the mean over {loads} requests, measured by an earlier run"
 
 
-def staged_first(config: ServerConfig, policy: Policy, registry: ModeRegistry, specs: Sequence[ModeSpec],
-                 costs: CostModel, model: str, gate_cache: Path | None, progress: Progress) -> tuple[str, ...]:
+def staged_first(config: ServerConfig, policy: Policy, backend: str, specs: Sequence[ModeSpec], costs: CostModel,
+                 model: str, report: dict | None, progress: Progress) -> tuple[str, ...]:
     """The modes a staged start picks its first engine from, in order (none: every engine starts before serving).
-    Where the policy orders by measurement, the weights measured fastest here lead (:func:`lead_by_measurement`)."""
+    Where the policy orders by measurement, the weights measured fastest here lead (:func:`lead_by_measurement`),
+    as the gate ``report`` (None: the gate is off) judges them. ``backend``: the registry's engine family."""
     if not config.load.staged:
         return ()
     if not policy.orders_by_measurement:
         return policy.first_modes
-    path = gate_report_path(config, registry.gate_key)
-    report = read_report(path, gate_cache) if path is not None else None
-    steps = costs.step_by_weights(machine(), model, registry.backend_name.split("+")[0], WEIGHTS)
+    steps = costs.step_by_weights(machine(), model, backend.split("+")[0], WEIGHTS)
     return lead_by_measurement(policy.first_modes, specs, steps, lambda mode, card: quality_verdict(
         report, policy.quality, "general", mode, card) is None, progress)
 
@@ -145,7 +144,9 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     laid_out = follow_measurements(list(specs), costs, preset.name, progress) if config.calibrate else list(specs)
     registry = ModeRegistry(preset, laid_out, config.load, backend=backend)
     gate_cache = None if config.gate_report else cache_dir() / "gate"  # a report given by path is enforced as it is
-    first = staged_first(config, policy, registry, laid_out, costs, preset.name, gate_cache, progress)
+    report_path = gate_report_path(config, registry.gate_key)
+    report = read_report(report_path, gate_cache) if report_path is not None else None
+    first = staged_first(config, policy, registry.backend_name, laid_out, costs, preset.name, report, progress)
     try:
         later = registry.load(progress, first)
     except MemoryBudgetExceeded:
@@ -163,11 +164,10 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     progress(f"energy: {registry.energy.source} ({registry.energy.meter.name})")
     controller = Controller(registry.modes, policy, registry.kv_bytes_per_token, defined_modes=defined, costs=costs,
                             standing=registry.standing)
-    report = gate_report_path(config, registry.gate_key)
-    if report is not None:
+    if report_path is not None:
         controller.quality_cache = gate_cache  # the shipped report's, with the runs this machine scored itself
-        controller.load_quality_report(report)
-        progress(f"quality gate: enforcing {report}")
+        controller.load_quality_report(report_path, read=report)
+        progress(f"quality gate: enforcing {report_path}")
     service = Service(registry, controller, preset.name)
 
     def modes_up() -> None:  # every mode loaded: the service rebinds, then each engine measures its costs

@@ -244,13 +244,14 @@ class Controller:
                   for name, mode in self.modes.items()}
         return {name: j for name, j in judged.items() if j is not None}
 
-    def load_quality_report(self, path: str | Path | None = None) -> dict | None:
+    def load_quality_report(self, path: str | Path | None = None, read: dict | None = None) -> dict | None:
         """Read the gate report (default: the one loaded before) with the runs of its namesake in
-        :attr:`quality_cache`; a missing or broken report changes nothing, a broken cached one is left out."""
+        :attr:`quality_cache`; a missing or broken report changes nothing, a broken cached one is left out.
+        ``read``: ``path``'s report as :func:`~.quality.read_report` already read it (the start reads it once)."""
         path = Path(path) if path else self.quality_report_path
         if path is None:
             raise ConfigError("no quality gate report configured (--gate-report)")
-        report = read_report(path, self.quality_cache)
+        report = read if read is not None else read_report(path, self.quality_cache)
         self.quality_report, self.quality_report_path = report, path
         return report
 
