@@ -1,8 +1,9 @@
 """The path both generation routes share: validate, start generations, answer as JSON or SSE.
 
-A request with several prompts or choices (``n``) is validated completely before anything starts, and every
-generation it started is closed (cancelled and counted) on any failure or when its client leaves, so a 4xx or
-5xx never leaves work running unanswered. A route says how its choices are written through a :class:`Shape`.
+A request with several prompts or choices (``n``) is validated completely before anything starts, its choices
+beyond the modes' queues wait for its own earlier ones (``Service.start_behind``), and every generation it started
+is closed (cancelled and counted) on any failure or when its client leaves, so a 4xx or 5xx never leaves work
+running unanswered. A route says how its choices are written through a :class:`Shape`.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def start_all(prompts: list[tuple[list[int], int]], req, params: SamplingParams)
             for i in range(req.n):
                 seed = None if params.seed is None else params.seed + i
                 choice = replace(params, max_tokens=max_tokens, seed=seed)
-                gens.append(service.start(prompt_ids, choice, req.stop_list, req.mode, req.task))
+                gens.append(service.start_behind(gens, prompt_ids, choice, req.stop_list, req.mode, req.task))
     except NoEligibleMode as exc:
         close_all(gens)
         raise no_eligible_mode(exc, pinned=req.mode is not None) from None

@@ -35,11 +35,12 @@ _EXCLUDED = Verdict(Code.EXCLUDED, "excluded after a failed attempt")
 
 class NoEligibleMode(RuntimeError):
     """Every mode the policy could use is filtered. ``code`` says why, and so whether waiting would help
-    (``code.transient``); with several verdicts, the one :func:`most_hopeful` picks."""
+    (``code.transient``); with several verdicts, the one :func:`most_hopeful` picks. ``saturated``: the modes
+    found with their queues full (a request's own earlier prompts there free room as they finish)."""
 
-    def __init__(self, message: str, code: Code) -> None:
+    def __init__(self, message: str, code: Code, saturated: frozenset[str] = frozenset()) -> None:
         super().__init__(message)
-        self.code = code
+        self.code, self.saturated = code, saturated
 
 
 @dataclass(slots=True)
@@ -185,14 +186,16 @@ class Controller:
             if refused is not None and refused.code is Code.GATE_PENDING:  # pinning is how a pending mode is served
                 pending, reason, rule = refused.detail, f"pinned by the request; {refused.detail}", "pinned-gate-pending"
             elif refused is not None:
-                raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {refused}", refused.code)
+                raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {refused}", refused.code,
+                                     frozenset((pinned,)) if refused.code is Code.SATURATED else frozenset())
         else:
             choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step))
             if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
                 mode, why, rule = stand_in
                 reason = f"policy {policy.name}: {choice.reason}; {why}"
             elif choice.mode is None:
-                raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()))
+                raise NoEligibleMode(choice.reason, most_hopeful(v.code for v in filtered.values()),
+                                     frozenset(m for m, v in filtered.items() if v.code is Code.SATURATED))
             else:
                 mode, rule, chosen = choice.mode, choice.rule or "default", choice
                 reason = partial(_explained, policy.name, choice)

@@ -147,7 +147,8 @@ class Generation:
                     registry.modes[decision.mode].record_failure(f"submit: {exc}")
                 if self.pinned is not None:
                     raise NoEligibleMode(f"pinned mode {self.pinned!r} cannot take the request: {exc}",
-                                         Code.SATURATED if full else Code.QUARANTINED) from exc
+                                         Code.SATURATED if full else Code.QUARANTINED,
+                                         frozenset((self.pinned,)) if full else frozenset()) from exc
                 self.attempts.append(f"{decision.mode}: {exc}")
                 self._excluded = self._excluded | {decision.mode}
                 continue
@@ -511,3 +512,24 @@ class Service:
               mode: str | None = None, task: str = "general") -> Generation:
         """Decide and submit; raises :class:`NoEligibleMode` when nothing can take the request."""
         return Generation(self, prompt_ids, params, stop, mode, task)
+
+    def start_behind(self, ahead: list[Generation], prompt_ids: list[int], params: SamplingParams,
+                     stop: tuple[str, ...] = (), mode: str | None = None, task: str = "general") -> Generation:
+        """:meth:`start` one of a request's prompts (or choices) behind the ones it started (``ahead``): where the
+        modes it could use are saturated while some of those are generating there, it waits for one of them to
+        finish and decides again, as vLLM queues a request's prompts. A request of more prompts than the modes'
+        queues hold is served whole, not refused for the room its own prompts take; saturation by other requests
+        alone is answered at once."""
+        while True:
+            try:
+                return self.start(prompt_ids, params, stop, mode, task)
+            except NoEligibleMode as exc:
+                running = [g.request for g in ahead
+                           if g.mode in exc.saturated and g.request is not None and not g.request.finished]
+                if not running:
+                    raise
+                finished = threading.Event()
+                for req in running:
+                    req.on_finish.append(finished.set)
+                if not any(req.finished for req in running) and not finished.wait(EVENT_TIMEOUT_S):
+                    raise

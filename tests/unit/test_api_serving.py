@@ -49,18 +49,39 @@ def test_a_multi_prompt_request_with_a_bad_prompt_starts_nothing(make_app):
 
 
 def test_a_multi_prompt_request_that_cannot_start_every_prompt_cancels_and_counts_the_others(make_app):
-    """fp16 takes one request at a time (max_queue 1 via a mode file); the second prompt finds it full: the
-    answer is 503 and the first prompt's generation is cancelled and counted, not left running."""
-    app = make_app(scripts={"fp16": Script(token_s=0.05)})
-    app.service.registry.modes["fp16"].engine.max_queue = 1
-    before = scrape(app)
-    resp = app.post("/v1/completions", json={"prompt": [[104, 105], [106, 107]], "max_tokens": 100, "mode": "fp16"})
+    """Short prompts go to fp16, long ones to prefix_cache, whose queue (one request) another request holds: the
+    second prompt cannot start, and its own first prompt on fp16 would free nothing there: the answer is 503 at
+    once and the first prompt's generation is cancelled and counted, not left running."""
+    from modeswitch.sampling_params import SamplingParams
+
+    policy = ("name: by-length\nrules:\n  - name: long\n    when: {prompt_tokens: {ge: 5}}\n    use: [prefix_cache]\n"
+              "default: [fp16]\n")
+    app = make_app(policy=policy, scripts={m: Script(token_s=0.05) for m in ("fp16", "prefix_cache")})
+    app.service.registry.modes["prefix_cache"].engine.max_queue = 1
+    other = app.service.start([104, 105, 106, 107, 108], SamplingParams(max_tokens=100), mode="prefix_cache")
+    before, asked = scrape(app), time.monotonic()
+    resp = app.post("/v1/completions", json={"prompt": [[104, 105], [104, 105, 106, 107, 108, 109]],
+                                             "max_tokens": 100})
     assert resp.status_code == 503 and resp.get_json()["error"]["code"] == "overloaded"
+    assert time.monotonic() - asked < 2.5  # not after waiting out its first prompt (5 s)
+    other.close()
     modes = wait_idle(app, timeout=2.0)  # 100 tokens would take 5 s: cancelled well before
     assert modes["fp16"]["in_flight"] == 0
     after = scrape(app)
     assert metric(after, "modeswitch_requests_total", mode="fp16", outcome="cancelled") - \
         metric(before, "modeswitch_requests_total", mode="fp16", outcome="cancelled") == 1
+
+
+def test_a_request_of_more_prompts_than_the_queue_holds_is_served_whole(make_app):
+    """fp16 takes one request at a time (max_queue 1): a request of three prompts pinned to it, and of two choices
+    each, waits for its own earlier prompts to finish instead of refusing itself; every choice is answered in full
+    and nothing is left in flight."""
+    app = make_app(scripts={"fp16": Script(token_s=0.01)})
+    app.service.registry.modes["fp16"].engine.max_queue = 1
+    body = app.complete([[104, 105], [106, 107], [108, 109]], max_tokens=5, mode="fp16", n=2, seed=1)
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    assert body["usage"]["completion_tokens"] == 30
+    assert wait_idle(app, timeout=2.0)["fp16"]["in_flight"] == 0
 
 
 def test_each_choice_of_a_multi_prompt_response_names_its_mode(make_app):
