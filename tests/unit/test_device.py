@@ -86,3 +86,19 @@ def test_the_avx2_imitation_holds_run_time_kernel_dispatch_to_avx2(monkeypatch):
     out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "DEFAULT"
+
+
+def test_the_memory_reading_is_the_kernels_available_ram():
+    """The request path's lean reading of /proc/meminfo says what psutil's full parse says (memory moves between
+    the two readings: within 1 % of the total); a file without MemAvailable is not read as zero free."""
+    import psutil
+
+    from modeswitch.device import memory_headroom, meminfo_kb
+
+    free, fraction = memory_headroom()
+    vm = psutil.virtual_memory()
+    assert abs(fraction - vm.available / vm.total) < 0.01 and abs(free - vm.available) < 0.01 * vm.total
+    head = b"MemTotal:       24683784 kB\nMemFree:        21105256 kB\nMemAvailable:   24080268 kB\nBuffers:"
+    assert meminfo_kb(head) == (24683784, 24080268)
+    assert meminfo_kb(b"MemTotal:       24683784 kB\nMemFree:        21105256 kB\nBuffers:   1 kB\n") is None
+    assert meminfo_kb(b"MemTotal:       0 kB\nMemAvailable:   0 kB\n") is None
