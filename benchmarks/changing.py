@@ -287,12 +287,12 @@ KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_
 
 def decision_us(records: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Per ModeSwitch row that decided (not pinned), the controller's decision cost (the deciding thread's CPU
-    time) and its wall time: p50 and p90 in us."""
+    time) and its wall time, and the wall time of the request's features before it: p50 and p90 in us."""
     out = {}
     for label, rs in records.items():
         if " pinned " in label:
             continue
-        for name, key in (("cpu", "decision_us"), ("wall", "decision_wall_us")):
+        for name, key in (("cpu", "decision_us"), ("wall", "decision_wall_us"), ("features", "features_us")):
             us = sorted(r[key] for r in rs if r.get(key) is not None)
             if us:
                 out.setdefault(label, {"n": len(us)}).update(

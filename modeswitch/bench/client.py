@@ -59,7 +59,8 @@ def stream_completion(url: str, prompt, max_tokens: int, mode: str | None = None
         "energy_j": usage.get("energy_j"), "energy_source": usage.get("energy_source"),
         "mode": report.get("mode"), "reason": report.get("reason"), "policy": report.get("policy"),
         "features": report.get("features"), "prediction": report.get("prediction"),
-        "decision_us": report.get("decision_us"), "decision_wall_us": report.get("decision_wall_us"), "cached_tokens": report.get("cached_tokens", 0),
+        "decision_us": report.get("decision_us"), "decision_wall_us": report.get("decision_wall_us"),
+        "features_us": report.get("features_us"), "cached_tokens": report.get("cached_tokens", 0),
         "speculative": report.get("speculative"), "replica": report.get("replica"),
     }
 

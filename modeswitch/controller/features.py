@@ -26,7 +26,8 @@ FEATURE_DOCS = {
     "draft_tokens_per_step": "tokens per target step prompt-lookup drafting is predicted to yield for this request "
                              "(1: no gain; learned from earlier requests of its kind, controller/speculation.py)",
     "speculation_gain": "the request's predicted speed-up on the best speculative mode over the plain batch on the "
-                        "same weights, at the current load (0 when no speculative mode is resident)",
+                        "same weights, at the current load (0 when no speculative mode is resident; null, not "
+                        "computed, where no rule of the policy tests it)",
 }
 
 
@@ -61,7 +62,7 @@ class Features:
     #: what drafting is expected to do for this request (see FEATURE_DOCS)
     prompt_repeat: float = 0.0
     draft_tokens_per_step: float = 1.0
-    speculation_gain: float = 0.0
+    speculation_gain: float | None = None
     #: the request options it sets, which the mode must honour (``SamplingParams.needs``; the capability gate)
     needs: tuple[str, ...] = ()
 

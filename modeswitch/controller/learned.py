@@ -246,6 +246,11 @@ class LearnedPolicy:
         """It orders by what it learned of each mode, not by the engines' measured costs."""
         return False
 
+    @property
+    def tested_features(self) -> frozenset[str]:
+        """No rules: its models read the counts every request carries."""
+        return frozenset()
+
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it, with how much each mode has been observed."""
         return {"name": self.name, "type": "learned", "source": self.source, "description": self.description,

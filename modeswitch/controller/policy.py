@@ -104,6 +104,11 @@ class Policy(Protocol):
         ordering only what is not measured: then a staged start leads with the weights measured fastest here."""
 
     @property
+    def tested_features(self) -> frozenset[str]:
+        """The features (``FEATURE_DOCS`` names) its rules test. ``speculation_gain`` costs a prediction of every
+        drafting pair: the service computes it only for a policy that tests it."""
+
+    @property
     def energy(self) -> EnergyPolicy: ...
 
     @property

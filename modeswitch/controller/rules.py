@@ -55,7 +55,10 @@ class Condition:
     value: float
 
     def holds(self, features: Features) -> bool:
-        return OPERATORS[self.op](getattr(features, self.feature), self.value)
+        """Whether the request's feature meets it; a feature not computed for the request (None: the policy was
+        reloaded between its features and its decision) meets nothing."""
+        value = getattr(features, self.feature)
+        return value is not None and OPERATORS[self.op](value, self.value)
 
     def explain(self, features: Features) -> str:
         return f"{self.feature}={getattr(features, self.feature):g} {SYMBOLS[self.op]} {self.value:g}"
@@ -167,6 +170,10 @@ class RulePolicy:
     @property
     def orders_by_measurement(self) -> bool:
         return self.order == "predicted"
+
+    @cached_property
+    def tested_features(self) -> frozenset[str]:
+        return frozenset(c.feature for r in self.rules for c in r.conditions)
 
     @cached_property
     def caps_energy(self) -> bool:

@@ -503,10 +503,10 @@ class Service:
             draft_tokens_per_step=drafting.tokens_per_step,
             needs=tuple(sorted(params.needs)),
         )
-        if not self.costs.binding.pairs:
+        if "speculation_gain" not in self.controller.policy.tested_features:
             return features
-        return dataclasses.replace(features, speculation_gain=self.costs.speculation_gain(
-            features, drafting.tokens_per_step))
+        gain = self.costs.speculation_gain(features, drafting.tokens_per_step) if self.costs.binding.pairs else 0.0
+        return dataclasses.replace(features, speculation_gain=gain)
 
     def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...] = (),
               mode: str | None = None, task: str = "general") -> Generation:

@@ -74,6 +74,9 @@ def test_batch_first_speculates_only_when_it_pays():
     choice = policy.choose(feats(speculation_gain=2.5, prefix_cache_batched=1), {})
     assert choice.mode == "int8+speculative" and choice.rule == "speculate-when-it-pays"
     assert policy.choose(feats(speculation_gain=1.0, prefix_cache_batched=1), {}).mode == "int8+prefix_cache"
+    # a gain not computed for the request (its features taken under a policy that tests none) meets no rule
+    assert policy.choose(feats(prefix_cache_batched=1), {}).mode == "int8+prefix_cache"
+    assert policy.tested_features >= {"speculation_gain", "prefix_cache_batched"}
     # a shared prefix is read where it is held, the speculative engine's cache included
     held = feats(speculation_gain=2.5, prefix_match_tokens=500, prefix_match_ratio=0.9,
                  prefix_match_by_mode={"int8+speculative": 500, "int8+prefix_cache": 0})
