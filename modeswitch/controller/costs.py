@@ -397,6 +397,15 @@ class CostModel:
                 queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
         busy = bool(on_lane or queued)  # on an idle server every lane's state is _IDLE_LANE: not worked out
+        #: engine -> one step of it at its load, on its own curve (its plain stream's; 0 where not measured), and
+        #: lane -> the sum of those of its busy engines: read once for every lane and stream that asks
+        busy_step: dict[str, float] = {}
+        turns: dict[str, float] = {}
+        for engine, n in on_engine.items():
+            costs = streams.get(engine_stream.get(engine, engine))
+            busy_step[engine] = step = (costs.step.at(n) or 0.0) if costs is not None else 0.0
+            lane = engine_lane.get(engine, "")
+            turns[lane] = turns.get(lane, 0.0) + step
         #: lane -> (requests, prompt tokens not computed, one step of each busy engine, the requests counted by their
         #: share of this request's steps) on the lanes near it
         near_lanes: dict[str, tuple[int, int, float, float]] = {}
@@ -406,24 +415,16 @@ class CostModel:
         # on one vLLM engine): computed once
         known: dict[tuple[str, int], Prediction | None] = {}
 
-        def busy_step(engine: str) -> float:
-            """A busy engine's step at its load, on its own curve (its plain stream's; 0 where not measured)."""
-            costs = streams.get(engine_stream.get(engine, engine))
-            return (costs.step.at(on_engine[engine]) or 0.0) if costs is not None else 0.0
-
         def lane_state(lane: str) -> tuple[int, int, float, float]:
             state = near_lanes.get(lane)
             if state is None:
-                close, load, ahead, turn, met = near.get(lane, ("",)), 0, 0, 0.0, 0.0
-                for x in close:
+                load, ahead, turn, met = 0, 0, 0.0, 0.0
+                for x in near.get(lane, ("",)):
                     load += on_lane.get(x, 0)
                     ahead += queued.get(x, 0)
                     met += met_lane.get(x, 0.0)
-                if load:  # engines sharing cores take turns: a step waits for one step of each other busy one
-                    for engine in on_engine:
-                        if engine_lane.get(engine, "") in close:
-                            turn += busy_step(engine)
-                state = near_lanes[lane] = (load, ahead, turn, met)
+                    turn += turns.get(x, 0.0)  # engines sharing cores take turns: one step of each other busy one
+                state = near_lanes[lane] = (load, ahead, turn if load else 0.0, met)
             return state
 
         def share(stream: str, lane: str, engine: str, slots: int, drafting: bool) -> tuple | None:
@@ -436,17 +437,21 @@ class CostModel:
             meets = round(met_engine.get(engine, 0.0) * 4) / 4 + 1  # to a quarter: a curve keeps what it has read
             own_step = step_at(meets)
             # the other busy engines' turns (an engine not measured yet is counted at nothing)
-            step = own_step + (turn - busy_step(engine) if mine else turn) if lane_load > mine else own_step
+            step = own_step + (turn - busy_step[engine] if mine else turn) if lane_load > mine else own_step
             steps = max_tokens - 1
             if drafting and tokens_per_step > 1:  # the gain predicted, in the share this engine delivers at the load
                 delivered = costs.draft_yield.at(meets)
                 steps /= 1.0 + (tokens_per_step - 1.0) * (1.0 if delivered is None else delivered)
             waiting = mine + 1 - slots
             wait = -(-waiting // slots) * costs.service.y if waiting > 0 else 0.0
-            growth = max(step_at(mine + 1) - step_at(mine), 0.0) if mine else step_at(1)
+            if mine:
+                at_mine = step_at(mine)
+                growth = max(step_at(mine + 1) - at_mine, 0.0)
+            else:
+                at_mine, growth = 0.0, step_at(1)
             # what the lane's requests wait for without it: the prompts queued, or on a busy engine its next step,
             # which they would take all the same
-            without = (costs.prefill.at(ahead) if ahead else step_at(mine) if mine else 0.0) if lane_load else 0.0
+            without = (costs.prefill.at(ahead) if ahead else at_mine) if lane_load else 0.0
             return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, without)
 
         def predict(mode: str) -> Prediction | None:

@@ -254,7 +254,7 @@ def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str
     if not predicted:
         return Choice(admitted[0], lambda: f"{explain.why()}{explain.via} -> {admitted[0]} (no mode measured yet: "
                                            f"the list's order){explain.tail()}", rule)
-    best = min(predicted, key=lambda t: t[:2])
+    best = min(predicted)  # (total, list index, ...): the index settles every tie
     ranked = _Ranked(best, predicted, admitted, idle, fallback, explain)
     return Choice(best[2], ranked.reason, rule, ranked.prediction)
 
