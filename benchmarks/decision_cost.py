@@ -7,7 +7,9 @@ and cores on a 2-core CPU, the default policy, the shipped vLLM gate report, mea
 lane's step growing with its load, the reference weights fastest as on an AVX2 CPU), and requests in flight on
 every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over 8 MiB of memory
 and a 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
-then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to.
+then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to;
+and last what the server does per request on that idle server, its features (``Service.features``: the prefix
+matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold.
 
     .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--tag T] [--profile]
 """
@@ -20,6 +22,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
 from modeswitch.controller.features import Features  # noqa: E402
 from modeswitch.modes import load_modes  # noqa: E402
 from modeswitch.resources import DEFAULT_POLICY  # noqa: E402
+from modeswitch.sampling_params import SamplingParams  # noqa: E402
 from modeswitch.serving.launcher import ROOT  # noqa: E402
 from modeswitch.testing.backend import FakeBackend  # noqa: E402
 from modeswitch.testing.engine import Script  # noqa: E402
@@ -107,6 +111,21 @@ def time_decisions(controller, features: list[Features], cold: bool) -> list[flo
     return spent
 
 
+def time_requests(service, n: int, cold: bool) -> list[float]:
+    """The thread's CPU time of ``n`` requests' features and decision, as the server takes them per request:
+    prompts of 20-600 tokens of their own, 48 tokens asked."""
+    params = SamplingParams(max_tokens=48)
+    spent = []
+    for i in range(n):
+        prompt = [(i * 7919 + j * 31) % 30000 for j in range(20 + (i * 37) % 580)]
+        if cold:
+            evict()
+        start = time.thread_time_ns()
+        service.controller.decide(service.features(prompt, params))
+        spent.append((time.thread_time_ns() - start) / 1e3)
+    return spent
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -140,13 +159,16 @@ def main() -> int:
                     for f in features]
             rows = {}
             for kind, cold, asked in (("warm", False, features), ("cold", True, features),
-                                      ("warm, idle server", False, idle), ("cold, idle server", True, idle)):
-                spent = time_decisions(controller, asked, cold)
+                                      ("warm, idle server", False, idle), ("cold, idle server", True, idle),
+                                      ("features + decision, warm, idle server", False, None),
+                                      ("features + decision, cold, idle server", True, None)):
+                spent = time_decisions(controller, asked, cold) if asked is not None else \
+                    time_requests(server.service, len(features), cold)
                 rows[kind] = {"p50_us": round(pct(spent, 0.5), 1), "p90_us": round(pct(spent, 0.9), 1),
                               "mean_us": round(statistics.fmean(spent), 1)}
         finally:
             server.close()
-    lines = [f"# One decision's CPU time ({len(modes)} modes resident, default policy, vLLM gate report; {processor()})",
+    lines = [f"# A decision's CPU time, and a request's features with it ({len(modes)} modes resident, default policy, vLLM gate report; {processor()})",
              "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
     lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
