@@ -71,6 +71,9 @@ class GenRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     on_finish: list[Callable[[], None]] = field(default_factory=list)
     finished: bool = False
+    #: set once the ``on_finish`` hooks have run (the engine's slot is free again: its count of requests in
+    #: flight no longer holds this one)
+    released: bool = False
     #: energy attributed to this request's share of the engine steps it took part in (see modeswitch.energy)
     energy_j: float = 0.0
 
@@ -82,6 +85,7 @@ class GenRequest:
             self.finished = True
             for hook in self.on_finish:
                 hook()
+            self.released = True
         self.events.put(Event(kind, tuple(token_ids), info))
 
     def cancel(self) -> None:

@@ -519,17 +519,25 @@ class Service:
         modes it could use are saturated while some of those are generating there, it waits for one of them to
         finish and decides again, as vLLM queues a request's prompts. A request of more prompts than the modes'
         queues hold is served whole, not refused for the room its own prompts take; saturation by other requests
-        alone is answered at once."""
+        alone is answered at once. Once all of its own there have ended, it decides once more (the counts it was
+        refused on may have been read while the last of them ended) before it gives up."""
+        settled = False
         while True:
             try:
                 return self.start(prompt_ids, params, stop, mode, task)
             except NoEligibleMode as exc:
-                running = [g.request for g in ahead
-                           if g.mode in exc.saturated and g.request is not None and not g.request.finished]
+                mine = [g.request for g in ahead if g.mode in exc.saturated and g.request is not None]
+                running = [req for req in mine if not req.released]
                 if not running:
-                    raise
-                finished = threading.Event()
-                for req in running:
-                    req.on_finish.append(finished.set)
-                if not any(req.finished for req in running) and not finished.wait(EVENT_TIMEOUT_S):
-                    raise
+                    if not mine or settled:
+                        raise
+                    settled = True
+                    continue
+                released = threading.Event()
+                for req in running:  # run after the engine's own hook, which frees the slot
+                    req.on_finish.append(released.set)
+                # a hook added just as a request ran its hooks is not run: its flag is read again now and then
+                deadline = time.monotonic() + EVENT_TIMEOUT_S
+                while not released.wait(0.05) and not any(req.released for req in running):
+                    if time.monotonic() > deadline:
+                        raise

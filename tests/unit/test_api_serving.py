@@ -82,6 +82,13 @@ def test_a_request_of_more_prompts_than_the_queue_holds_is_served_whole(make_app
     assert [c["index"] for c in body["choices"]] == list(range(6))
     assert body["usage"]["completion_tokens"] == 30
     assert wait_idle(app, timeout=2.0)["fp16"]["in_flight"] == 0
+    # an engine that ends its requests as soon as they start: the counts a refusal was read on may be those of an
+    # earlier prompt in the middle of ending, which the next decision no longer sees
+    instant = make_app(scripts={"fp16": Script()})
+    instant.service.registry.modes["fp16"].engine.max_queue = 1
+    for _ in range(5):
+        body = instant.complete([[104 + i % 20] for i in range(64)], max_tokens=2, mode="fp16")
+        assert len(body["choices"]) == 64
 
 
 def test_each_choice_of_a_multi_prompt_response_names_its_mode(make_app):
