@@ -168,7 +168,8 @@ def main() -> int:
                               "mean_us": round(statistics.fmean(spent), 1)}
         finally:
             server.close()
-    lines = [f"# A decision's CPU time, and a request's features with it ({len(modes)} modes resident, default policy, vLLM gate report; {processor()})",
+    lines = [f"# A decision's CPU time, and a request's features with it ({len(modes)} modes resident, default policy, "
+             f"vLLM gate report; {processor()})",
              "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
     lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
