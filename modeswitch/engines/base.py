@@ -76,6 +76,10 @@ class GenRequest:
     released: bool = False
     #: energy attributed to this request's share of the engine steps it took part in (see modeswitch.energy)
     energy_j: float = 0.0
+    #: what :meth:`after_release` was given before the request was released, and the lock that keeps a hook
+    #: given just as it is released from being missed
+    _after_release: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False, compare=False)
+    _release_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def emit(self, kind: str, token_ids=(), **info) -> None:
         """Send an event to the request's reader; the first terminal event also runs ``on_finish`` hooks."""
@@ -85,8 +89,19 @@ class GenRequest:
             self.finished = True
             for hook in self.on_finish:
                 hook()
-            self.released = True
+            with self._release_lock:
+                self.released = True
+            for hook in self._after_release:
+                hook()
         self.events.put(Event(kind, tuple(token_ids), info))
+
+    def after_release(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the request is :attr:`released` (from the engine's thread), or now if it is."""
+        with self._release_lock:
+            if not self.released:
+                self._after_release.append(hook)
+                return
+        hook()
 
     def cancel(self) -> None:
         self.cancelled.set()

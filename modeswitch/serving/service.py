@@ -534,10 +534,7 @@ class Service:
                     settled = True
                     continue
                 released = threading.Event()
-                for req in running:  # run after the engine's own hook, which frees the slot
-                    req.on_finish.append(released.set)
-                # a hook added just as a request ran its hooks is not run: its flag is read again now and then
-                deadline = time.monotonic() + EVENT_TIMEOUT_S
-                while not released.wait(0.05) and not any(req.released for req in running):
-                    if time.monotonic() > deadline:
-                        raise
+                for req in running:
+                    req.after_release(released.set)
+                if not released.wait(EVENT_TIMEOUT_S):
+                    raise

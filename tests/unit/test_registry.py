@@ -292,3 +292,24 @@ def test_the_controller_keeps_the_standing_verdicts_until_a_modes_standing_chang
                           "modes": {"fp16": {"ppl": {"value": 100.0}}, "int8": {"ppl": {"value": 140.0}}}}
     assert [ctl.decide(feats()).mode for _ in range(3)] == ["fp16"] * 3 and len(asked) == 1  # the report read at once
     reg.close()
+
+
+def test_a_hook_after_release_runs_once_after_the_slot_is_freed_whenever_it_is_given():
+    """``GenRequest.after_release``: given before the request ends, it runs after the ``on_finish`` hooks (the
+    engine's slot is free by then); given after, it runs at once; given while the engine ends the request on
+    another thread, it runs once, never not at all."""
+    seen = []
+    req = GenRequest([1], SamplingParams(max_tokens=2))
+    req.on_finish.append(lambda: seen.append(("slot freed", req.released)))
+    req.after_release(lambda: seen.append(("after", req.released)))
+    assert seen == []
+    req.emit("done", finish_reason="stop")
+    req.after_release(lambda: seen.append(("late", req.released)))
+    assert seen == [("slot freed", False), ("after", True), ("late", True)]
+    for _ in range(300):
+        req, runs = GenRequest([1], SamplingParams(max_tokens=2)), []
+        ender = threading.Thread(target=req.emit, args=("done",))
+        ender.start()
+        req.after_release(lambda: runs.append(1))
+        ender.join()
+        assert runs == [1]
