@@ -75,6 +75,53 @@ def test_the_linear_quantizes_per_token_close_to_the_exact_product():
     assert out[1, 2].isnan().all() and torch.equal(out[0], got[0])
 
 
+def test_a_tokens_result_is_vllms_per_token_arithmetic_whatever_the_tokens_beside_it():
+    """A verify step computes a drafted token in a batch of them, a decode step alone: the same token gives the same
+    output, bit for bit, alone and beside tokens whose ranges differ from its own (all positive, all negative, far
+    louder), eager and compiled; and that output is the product of the weights with the token quantized as vLLM
+    quantizes it (symmetric, per token, 127 levels either side of zero)."""
+    torch.manual_seed(2)
+    weight, scales = _weights(64, 48)
+    index = int8_fbgemm.pack(weight, scales)
+    exact = weight.float() * scales
+
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        return int8_fbgemm.linear(x, index)
+
+    compiled = torch.compile(eager, dynamic=True, fullgraph=True)  # vLLM's graphs take any number of tokens
+    for trial in range(20):
+        token = torch.randn(1, 48).abs() * torch.where(torch.arange(48) < 8, -0.3, 1.0) + trial / 10  # skewed
+        alone = eager(token)
+        step = token.abs().max() / 127
+        vllms = (torch.round(token / step) * step) @ exact.t()
+        assert (alone - vllms).norm() / vllms.norm() < 1e-5
+        for beside in (torch.randn(3, 48).abs(), -torch.randn(3, 48).abs(), torch.randn(5, 48) * 40):
+            for run in (eager, compiled):
+                assert torch.equal(run(torch.cat([token, beside]))[:1], alone)
+                assert torch.equal(run(torch.cat([beside, token]))[-1:], alone)
+
+
+@pytest.mark.skipif(not int8_fbgemm.onednn_lacks_int8_kernel(), reason="oneDNN has an int8 kernel of its own here")
+def test_where_it_replaces_onednn_it_computes_what_vllms_onednn_kernel_computes_saturation_included():
+    """On an AVX2-only CPU vLLM's own W8A8 kernel (oneDNN) and this one give the same outputs to float rounding,
+    also where skewed activations beside large weights saturate both kernels' 16-bit pair sums."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(4)
+    weight, scales = torch.randint(-127, 128, (96, 64), dtype=torch.int8), torch.rand(96, 1) * 0.02 + 0.001
+    x = torch.randn(7, 64)
+    x[:, 3] = -30.0
+    handler = ops.create_onednn_scaled_mm(weight.t(), scales, torch.float32, True, False, 32)
+    quantized, x_scales, x_zero = ops.onednn_scaled_int8_quant(x, None, None, True)
+    vllms = torch.empty((7, 96))
+    ops.onednn_scaled_mm(handler, quantized, vllms, x_scales, x_zero, None, None)
+    got = int8_fbgemm.linear(x, int8_fbgemm.pack(weight, scales))
+    assert (got - vllms).norm() / vllms.norm() < 1e-6
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    unsaturated = (torch.round(x / step) * step) @ (weight.float() * scales).t()
+    assert (vllms - unsaturated).norm() > 1e-3 * vllms.norm()  # the case is one where the pair sums saturate
+
+
 def test_on_an_avx2_cpu_vllms_int8_linears_run_on_fbgemm(on_fbgemm):
     torch.manual_seed(1)
     weight, scales = _weights(80, 48)

@@ -7,15 +7,22 @@ as much as repacking every weight of the model (the demo: about 140 ms a step at
 at one request), while the same kernel is faster than float32 on long prompts. FBGEMM (PyTorch's x86 quantized
 backend) packs the weights once, for AVX2 too (``benchmarks/int8_kernels.py`` times both at the demo's shapes).
 
-The arithmetic is the checkpoint's: int8 weights per output channel as stored, activations quantized per token
-to 8 bits. FBGEMM quantizes a whole input with one scale, so each token's row is divided by its absolute maximum
-first and the output row multiplied by it again (a linear map commutes with that scaling): each token then gets a
-scale of its own, as vLLM's per-token quantization gives it. Without VNNI both libraries multiply unsigned 8-bit
-activations by int8 weights into 16-bit sums of pairs, which saturate where neighbouring weights are both large;
-the quality gate scores the two alike on the demo (perplexity +8.0 % on FBGEMM, +8.8 % on oneDNN; copy -1 pp on
-both). FBGEMM's 7-bit activations (``reduce_range``) cannot saturate, but cost the demo 4 pp on the gate's copy
-task, so it runs 8 bits. Only for checkpoints with dynamic, symmetric per-token activations (the W8A8 preset); any
-other goes to oneDNN as vLLM sends it.
+The arithmetic is the checkpoint's, as vLLM computes it: int8 weights per output channel as stored, each token's
+activations scaled by its own absolute maximum onto 127 levels either side of zero. FBGEMM's dynamic linear would
+quantize a whole input with one scale and zero point chosen from the input's minimum and maximum, so a token's
+rounding would depend on the tokens beside it (a drafting engine's verify step would round a token otherwise than
+the plain engine's decode step, and a near-tie can flip). So each token's row is divided by its absolute maximum
+(a linear map commutes with that scaling: its output row is multiplied by it again) and FBGEMM is given the scale
+1/127 and the zero point 128: a token's 8 bits are vLLM's symmetric per-token ones plus 128, whatever the batch,
+and the outputs are those of vLLM's own kernel on the same CPU to float rounding. (An affine map of each token onto
+its own range would use the 8 bits more finely, but moves most activations of a skewed row towards 0 or 255, where
+the 16-bit pair sums below saturate.)
+
+Without VNNI both libraries multiply unsigned 8-bit activations by int8 weights into 16-bit sums of pairs, which
+saturate where neighbouring weights are both large, alike: the quality gate scores the two the same on the demo
+(perplexity +8.8 %, copy -1 pp). FBGEMM's 7-bit activations (``reduce_range``) cannot saturate, but cost the demo
+4 pp on the gate's copy task, so it runs 8 bits. Only for checkpoints with dynamic, symmetric per-token activations
+(the W8A8 preset); any other goes to oneDNN as vLLM sends it.
 
 The linear is a torch custom op taking the layer's index into this process's packed weights (a plain int), so
 that vLLM's compiled graphs call it as one opaque op (dynamo cannot trace FBGEMM's packed-weights object).
@@ -35,6 +42,9 @@ from . import compat
 #: this process's packed weights and their output widths, by the index the custom op is called with
 _PACKED: list = []
 _WIDTH: list[int] = []
+#: the activations' quantization once each token is divided by its absolute maximum: vLLM's 127 levels either side of
+#: zero, in the unsigned bytes FBGEMM multiplies
+_SCALE, _ZERO_POINT = 1 / 127, 128
 
 
 def onednn_lacks_int8_kernel() -> bool:
@@ -49,7 +59,7 @@ def onednn_lacks_int8_kernel() -> bool:
 @torch.library.custom_op("modeswitch::fbgemm_int8_linear", mutates_args=())
 def fbgemm_int8_linear(x: torch.Tensor, index: int) -> torch.Tensor:
     """``x`` (float32, 2-D, each row scaled to an absolute maximum of 1) times packed weights ``index``."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[index], False)
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, _SCALE, _ZERO_POINT, _PACKED[index])
 
 
 @fbgemm_int8_linear.register_fake
@@ -74,9 +84,8 @@ def linear(x: torch.Tensor, index: int, bias: torch.Tensor | None = None) -> tor
     shape = x.shape
     rows = x.reshape(-1, shape[-1]).float()
     peak = rows.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    # a row that is not finite (vLLM's dummy runs pass unset memory) stays so through ``peak``, but FBGEMM refuses
-    # to choose a scale for an input holding it
-    out = fbgemm_int8_linear(torch.nan_to_num(rows / peak, nan=0.0, posinf=0.0, neginf=0.0), index) * peak
+    # a row that is not finite (vLLM's dummy runs pass unset memory) stays so, and only that row
+    out = fbgemm_int8_linear(rows / peak, index) * peak
     if bias is not None:
         out = out + bias
     return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
