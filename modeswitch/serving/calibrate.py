@@ -24,6 +24,7 @@ its curves are older than ``CostModel.remeasure_idle_s``: it serves no request t
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import statistics
 import threading
@@ -78,7 +79,10 @@ def _run(state: ModeState, prompts: list[list[int]], max_tokens: int) -> list[_T
     def read(req: GenRequest, t: _Timed) -> None:
         deadline = t.submitted + REQUEST_TIMEOUT_S
         while True:
-            event = req.events.get(timeout=max(deadline - time.perf_counter(), 0.001))
+            try:
+                event = req.events.get(timeout=max(deadline - time.perf_counter(), 0.001))
+            except queue.Empty:  # no answer by the deadline: cancelled and counted as timed out below
+                return
             now = time.perf_counter()
             if event.kind == "tokens":
                 t.first = t.first or now

@@ -512,6 +512,21 @@ def test_a_disturbed_calibration_timing_does_not_count(make_app, monkeypatch):
     assert costs.prefill.at(1024) < 0.5  # 1024 tokens at 0.1 ms, not 1 ms
 
 
+def test_a_calibration_request_unanswered_by_its_deadline_is_cancelled_and_counted_as_timed_out(make_app, monkeypatch):
+    """An engine that stops answering (wedged, say) while it is measured: each reader gives up at the deadline,
+    quietly (no exception escapes its thread), and its request is cancelled and counted as timed out."""
+    import threading
+
+    import modeswitch.serving.calibrate as calibrate
+
+    app = make_app(modes=["prefix_cache"], scripts={"prefix_cache": Script(token_s=1.0, batch=2)})
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    monkeypatch.setattr(calibrate, "REQUEST_TIMEOUT_S", 0.2)
+    timed = calibrate._run(app.service.registry.modes["prefix_cache"], [[1, 2, 3], [4, 5, 6]], 4)
+    assert [t.error for t in timed] == ["timed out", "timed out"] and not escaped
+
+
 def test_a_burst_spreads_over_two_lanes_whose_steps_grow_with_load(make_app):
     """Two engines equally fast alone, each on its own CPUs, each step slower by half per request beside it (as
     measured): a burst of 8 is predicted cheaper split than piled on one lane."""
