@@ -47,6 +47,12 @@ def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, torch.rand(n, 1) * 0.02 + 0.001
 
 
+def _quantized_as_vllm(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each row quantized as vLLM quantizes activations: symmetric, 127 levels either side of zero."""
+    step = x.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.round(x / step) * step
+
+
 @pytest.fixture
 def on_fbgemm(monkeypatch):
     """The replacement installed as on an AVX2 CPU (``MODESWITCH_CPU=avx2``), vLLM's own put back afterwards."""
@@ -92,8 +98,7 @@ def test_a_tokens_result_is_vllms_per_token_arithmetic_whatever_the_tokens_besid
     for trial in range(20):
         token = torch.randn(1, 48).abs() * torch.where(torch.arange(48) < 8, -0.3, 1.0) + trial / 10  # skewed
         alone = eager(token)
-        step = token.abs().max() / 127
-        vllms = (torch.round(token / step) * step) @ exact.t()
+        vllms = _quantized_as_vllm(token) @ exact.t()
         assert (alone - vllms).norm() / vllms.norm() < 1e-5
         for beside in (torch.randn(3, 48).abs(), -torch.randn(3, 48).abs(), torch.randn(5, 48) * 40):
             for run in (eager, compiled):
@@ -117,8 +122,7 @@ def test_where_it_replaces_onednn_it_computes_what_vllms_onednn_kernel_computes_
     ops.onednn_scaled_mm(handler, quantized, vllms, x_scales, x_zero, None, None)
     got = int8_fbgemm.linear(x, int8_fbgemm.pack(weight, scales))
     assert (got - vllms).norm() / vllms.norm() < 1e-6
-    step = x.abs().amax(dim=-1, keepdim=True) / 127
-    unsaturated = (torch.round(x / step) * step) @ (weight.float() * scales).t()
+    unsaturated = _quantized_as_vllm(x) @ (weight.float() * scales).t()
     assert (vllms - unsaturated).norm() > 1e-3 * vllms.norm()  # the case is one where the pair sums saturate
 
 
