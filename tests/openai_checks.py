@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from typing import Iterator
+
 
 def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]], k: int, by_text: bool = False) -> None:
     """OpenAI's ``top_logprobs`` at one position: the ``k`` most likely tokens, most likely first, each <= 0; the
@@ -14,3 +17,15 @@ def assert_most_likely(token: str, logprob: float, top: list[tuple[str, float]],
     assert values == sorted(values, reverse=True) and all(v <= 0 for v in values), top
     # two token ids may decode to the same text: a chosen token that is not listed ranks below the k listed
     assert logprob in [v for t, v in top if t == token] or logprob <= values[-1], (token, logprob, top)
+
+
+def chunks(resp) -> Iterator[dict]:
+    """A streamed completion's chunks, as they arrive (``resp`` opened with ``stream=True``)."""
+    return (json.loads(line[len(b"data: "):]) for line in resp.iter_lines() if line.startswith(b"data: {"))
+
+
+def generating(resp, within: int = 6) -> bool:
+    """Whether one of the stream's first ``within`` chunks carries a token's text: the head chunk's text is empty,
+    sent before the server has counted any token."""
+    stream = chunks(resp)
+    return any(next(stream)["choices"][0]["text"] for _ in range(within))

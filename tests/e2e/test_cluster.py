@@ -124,9 +124,11 @@ def test_a_replica_killed_mid_request_loses_nothing(cluster):
     actor = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"])
     with ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(_complete, cluster, f"Story number {i}: once upon a time", 48) for i in range(4)]
-        time.sleep(1.0)  # all four are in flight, two on each replica (about 2 s each, one at a time)
-        views = requests.get(f"{cluster}/v1/modes", timeout=30).json()["replicas"]
-        on_victim = sum(m["in_flight"] for v in views if v["replica"] == victim for m in v.get("modes", ()))
+        # all four go out, two to each replica (about 2 s each, one at a time): killed once it holds one
+        deadline, on_victim = time.monotonic() + 30, 0
+        while not on_victim and time.monotonic() < deadline:
+            views = requests.get(f"{cluster}/v1/modes", timeout=30).json()["replicas"]
+            on_victim = sum(m["in_flight"] for v in views if v["replica"] == victim for m in v.get("modes", ()))
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         answers = [f.result() for f in in_flight]
     assert on_victim > 0  # the kill caught requests on the killed replica: they are among the answers below

@@ -3,7 +3,6 @@ the fake backend, engines whose costs differ by a factor the test sets, measured
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -16,6 +15,7 @@ from modeswitch.controller.costs import Binding, CostModel, stream_key
 from modeswitch.controller.curves import Curve, StreamCosts
 from modeswitch.resources import DEFAULT_POLICY
 from modeswitch.testing.engine import Script
+from openai_checks import generating
 from policy_text import feats, policy_from, shipped_run
 
 FASTEST = DEFAULT_POLICY.read_text()
@@ -134,9 +134,7 @@ def test_a_request_sees_how_many_tokens_the_requests_in_flight_have_left(make_ap
     url = app.serve()
     body = {"prompt": "A very long story", "max_tokens": 200, "mode": "prefix_cache", "stream": True}
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
-        chunks = (json.loads(line[len(b"data: "):]) for line in resp.iter_lines() if line.startswith(b"data: {"))
-        # generating: a token's text came (the head chunk's text is empty, sent before any token)
-        assert any(next(chunks)["choices"][0]["text"] for _ in range(6))
+        assert generating(resp)
         short = app.complete("Another", max_tokens=10, mode="fp16")["modeswitch"]["features"]
         long = app.complete("Another", max_tokens=2000, mode="fp16")["modeswitch"]["features"]
     assert short["decode_overlap_by_mode"] == {"prefix_cache": 1.0}

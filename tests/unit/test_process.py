@@ -42,7 +42,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(fake_process):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        while not requests.get(url + "/health", timeout=5).json()["draining"]:  # a thread the handler starts sets it
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.02)
         refused = requests.post(url + "/v1/completions", json=body, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         done = pending.result()
