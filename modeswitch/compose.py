@@ -8,6 +8,7 @@ place that knows which concrete classes play each part.
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,7 @@ def build_service(config: ServerConfig, progress: Progress = log.info, *, specs:
     if config.w8a8:
         preset = dataclasses.replace(preset, w8a8=config.w8a8)
     costs = CostModel(config.costs_file or cache_dir() / "costs.json")
+    costs.remeasure_idle_s = config.remeasure_idle_s or math.inf
     laid_out = follow_measurements(list(specs), costs, preset.name, progress) if config.calibrate else list(specs)
     registry = ModeRegistry(preset, laid_out, config.load, backend=backend)
     gate_cache = None if config.gate_report else cache_dir() / "gate"  # a report given by path is enforced as it is

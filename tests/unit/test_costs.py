@@ -457,15 +457,18 @@ def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_whe
 def test_an_engine_idle_by_measurement_is_measured_again_once_its_curves_are_old_and_its_lane_quiet(make_app):
     """Its own requests never correct an idle engine's curves: a slow calibration (a disturbed start, a machine
     that changed since) would park it for good. The calibration measures it again once its curves are older than
-    ``remeasure_idle_s``, never while its lane is busy; faster now, it takes requests again."""
+    ``remeasure_idle_s``, never while its lane is busy; faster now, it takes requests again. (``--remeasure-idle-s
+    0``: never.)"""
     from modeswitch.serving.calibrate import Calibration
 
     modes = ["prefix_cache", "int8+prefix_cache"]
     scripts = {"prefix_cache": Script(token_s=0.006, batch=4, cpus=(0,)),
                "int8+prefix_cache": Script(token_s=0.018, batch=4, cpus=(0,))}
-    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0)
+    app = make_app(modes=modes, policy=FASTEST, scripts=scripts, calibrate=True, max_inflight_per_client=0,
+                   remeasure_idle_s=0)
     wait_measured(app, modes)
     costs = app.service.costs
+    assert costs.remeasure_idle_s == float("inf")
     assert costs.idle_by_measurement() == ["int8+prefix_cache"] and costs.needs_measuring("int8+prefix_cache") is None
     calibration = Calibration(app.service.registry, costs, app.service.rebind)
     app.backend.engines["int8+prefix_cache"].script = replace(scripts["int8+prefix_cache"], token_s=0.002)
