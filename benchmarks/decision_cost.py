@@ -5,13 +5,17 @@ where it runs: between two model steps that have evicted the caches, with both c
 decision alone, in process, over the fake backend (no model): the ten default modes on the default layout's engines
 and cores on a 2-core CPU, the default policy, the shipped vLLM gate report, measured costs on every engine (each
 lane's step growing with its load, the reference weights fastest as on an AVX2 CPU), and requests in flight on
-every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over 8 MiB of memory
-and a 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
+every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over ``--evict-mib``
+of memory (8 MiB; more than the last-level cache: as the engines' weights leave them) and a 256x256 matmul
+(``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
 then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to;
-and last what the server does per request on that idle server, its features (``Service.features``: the prefix
-matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold.
+then what the server does per request on that idle server, its features (``Service.features``: the prefix
+matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold; and last the
+decisions again, cold, with the cost model's predictions free (every mode answered one fixed prediction at once):
+what the rest of a decision costs (gates, the policy's choice, its record), which no work on the predictions
+takes off.
 
-    .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--tag T] [--profile]
+    .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--evict-mib 8] [--tag T] [--profile]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.compose import build_app  # noqa: E402
 from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
+from modeswitch.controller.costs import Prediction  # noqa: E402
 from modeswitch.controller.features import Features  # noqa: E402
 from modeswitch.modes import load_modes  # noqa: E402
 from modeswitch.resources import DEFAULT_POLICY  # noqa: E402
@@ -91,11 +96,12 @@ def requests_in_flight(modes: list[str], n: int) -> list[Features]:
     return out
 
 
+#: the memory :func:`evict` walks (``--evict-mib``)
 _SPILL = bytearray(8 << 20)
 
 
 def evict() -> None:
-    """Leave the caches as a model step does: a walk over 8 MiB and a small matmul."""
+    """Leave the caches as a model step does: a walk over :data:`_SPILL` and a small matmul."""
     import torch
 
     sum(_SPILL[::64])
@@ -126,18 +132,38 @@ def time_requests(service, n: int, cold: bool) -> list[float]:
     return spent
 
 
+_FIXED = Prediction(1.0, 0.0, 0.0, 0.5, 0.5)
+
+
+def free_predictor(features: Features, tokens_per_step: float = 1.0):
+    """A stand-in for ``CostModel.predictor`` that costs nothing: every mode predicted :data:`_FIXED`."""
+    def predict(mode: str) -> Prediction:
+        return _FIXED
+
+    predict.idle = frozenset()  # type: ignore[attr-defined]
+    return predict
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def summary(spent: list[float]) -> dict[str, float]:
+    return {"p50_us": round(pct(spent, 0.5), 1), "p90_us": round(pct(spent, 0.9), 1),
+            "mean_us": round(statistics.fmean(spent), 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--evict-mib", type=int, default=8, help="memory walked before each cold decision")
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", action="store_true", help="print the warm decisions' profile instead")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    global _SPILL
+    _SPILL = bytearray(args.evict_mib << 20)
     with tempfile.TemporaryDirectory() as tmp:
         server = build(Path(tmp))
         try:
@@ -164,18 +190,21 @@ def main() -> int:
                                       ("features + decision, cold, idle server", True, None)):
                 spent = time_decisions(controller, asked, cold) if asked is not None else \
                     time_requests(server.service, len(features), cold)
-                rows[kind] = {"p50_us": round(pct(spent, 0.5), 1), "p90_us": round(pct(spent, 0.9), 1),
-                              "mean_us": round(statistics.fmean(spent), 1)}
+                rows[kind] = summary(spent)
+            controller.costs.predictor = free_predictor
+            for kind, asked in (("cold, predictions free", features), ("cold, idle server, predictions free", idle)):
+                rows[kind] = summary(time_decisions(controller, asked, cold=True))
         finally:
             server.close()
     lines = [f"# A decision's CPU time, and a request's features with it ({len(modes)} modes resident, default policy, "
-             f"vLLM gate report; {processor()})",
+             f"vLLM gate report; {processor()}); cold: after a walk over {args.evict_mib} MiB and a small matmul",
              "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
     lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
     text = "\n".join(lines)
     print(text)
     save_results(args.out, "decision_cost", args.tag, {"modes": len(modes), "decisions": args.decisions,
+                                                        "evict_mib": args.evict_mib,
                                                         "rows": rows, "chosen": chosen}, text + "\n")
     return 0
 
