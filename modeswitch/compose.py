@@ -8,8 +8,8 @@ place that knows which concrete classes play each part.
 from __future__ import annotations
 
 import dataclasses
-import math
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence

@@ -138,10 +138,10 @@ class ServerConfig:
                              "'order: predicted' orders modes by these measurements, and a mode's engine of its own "
                              "(own_engine) goes to the weights an earlier run measured fastest here; without it the "
                              "mode files decide the layout")
-    remeasure_idle_s: float = option(REMEASURE_IDLE_S, "seconds an engine idle by measurement (slower at every load than "
-                                     "another on its cores: it serves no request that would correct its curves) "
-                                     "keeps them before the calibration measures it again, at a moment its cores "
-                                     "are quiet (0: never)")
+    remeasure_idle_s: float = option(REMEASURE_IDLE_S, "seconds an engine idle by measurement (slower at every load "
+                                     "than another on its cores: it serves no request that would correct its "
+                                     "curves) keeps them before the calibration measures it again, at a moment its "
+                                     "cores are quiet (0: never)")
     score_pending: bool = option(True, "score the modes whose quality verdict is pending (their gate report rows were "
                                  "scored on other kernels) on this machine's kernels, through this server's engines "
                                  "once every mode is up: one request at a time, each sent only while no other "

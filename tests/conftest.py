@@ -25,6 +25,7 @@ import requests
 from modeswitch.compose import Server as Assembled
 from modeswitch.compose import build_app
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig
+from modeswitch.controller.costs import REMEASURE_IDLE_S
 from modeswitch.engines.vllm.args import vllm_installed
 from modeswitch.serving.launcher import ROOT, Launched, launch_server, wait_calibrated, wait_stopped
 from modeswitch.testing.backend import FakeBackend
@@ -99,14 +100,14 @@ def make_app(tmp_path):
 
     def make(modes=DEFAULT_FAKE_MODES, policy: str | None = None, scripts=None, unavailable=None,
              context_length: int = 2048, modes_dirs=(), admin_dirs=(), staged: bool = False, held=(),
-             kernels=None, calibrate: bool = False, remeasure_idle_s: float = 600.0, **http) -> App:
+             kernels=None, calibrate: bool = False, remeasure_idle_s: float = REMEASURE_IDLE_S, **http) -> App:
         policy_file = tmp_path / "policies" / f"policy{len(made)}.yaml"
         policy_file.parent.mkdir(exist_ok=True)
         policy_file.write_text(policy or f"name: test\nrules: []\ndefault: [{modes[0]}]\n")
         config = ServerConfig(model="demo", modes=tuple(modes), modes_dirs=tuple(modes_dirs), policy=policy_file,
                               gate_report="none", admin_dirs=tuple(admin_dirs), http=HttpConfig(**http),
-                              load=LoadConfig(staged=staged), costs_file=tmp_path / f"costs{len(made)}.json", calibrate=calibrate,
-                              remeasure_idle_s=remeasure_idle_s)
+                              load=LoadConfig(staged=staged), costs_file=tmp_path / f"costs{len(made)}.json",
+                              calibrate=calibrate, remeasure_idle_s=remeasure_idle_s)
         backend = FakeBackend(scripts, unavailable, context_length, held=held, kernels=kernels)
         app = App(build_app(config, progress=lambda s: None, backend=backend), backend, policy_file)
         made.append(app)

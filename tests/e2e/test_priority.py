@@ -228,7 +228,8 @@ def test_a_dead_engine_comes_back_each_time_and_a_crash_loop_waits_its_backoff(m
         dead.proc.kill()
         deadline = time.monotonic() + 5
         # parked, and its watchers told so (just after)
-        while (backend.describe()["fp16"]["status"] != "parked" or health[-1][0] is None) and time.monotonic() < deadline:
+        while ((backend.describe()["fp16"]["status"] != "parked" or health[-1][0] is None)
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         card = backend.describe()["fp16"]
         assert (card["status"], card["deaths"], card["restarts"], card["parks"]) == ("parked", 3, 2, 1)
