@@ -6,8 +6,8 @@ decision alone, in process, over the fake backend (no model): the ten default mo
 and cores on a 2-core CPU, the default policy, the shipped vLLM gate report, measured costs on every engine (each
 lane's step growing with its load, the reference weights fastest as on an AVX2 CPU), and requests in flight on
 every mode. It times the same decisions twice: back to back (``warm``), and each after a walk over ``--evict-mib``
-of memory (8 MiB; more than the last-level cache: as the engines' weights leave them) and a 256x256 matmul
-(``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
+of memory (8 MiB by default; more than the last-level cache leaves it as the engines' weights do in the server) and a
+256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
 then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to;
 then what the server does per request on that idle server, its features (``Service.features``: the prefix
 matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold; and last the
