@@ -7,9 +7,10 @@ counts times --scale) to:
   1. every static mode, pinned (the quality gate off, so every mode is measured), and fp16 once more
      ("fp16 again"): the per-request best of two runs of one mode is what an oracle gains from run-to-run
      noise alone (a lower bound: the oracle takes the best of several modes), a gain no router can get;
-  2. the rule policies (policies/batch-first.yaml, the default, and policies/paper.yaml, the reference design's
-     table) and the learned policy (policies/learned.yaml, online from scratch, --learned-passes times over the
-     trace), with the quality gate report loaded;
+  2. the rule policies (policies/fastest.yaml, the default; policies/least-energy.yaml, the same lists ordered by
+     energy within a latency slack; policies/batch-first.yaml; policies/paper.yaml, the reference design's table)
+     and the learned policy (policies/learned.yaml, online from scratch, --learned-passes times over the trace),
+     with the quality gate report loaded;
   3. the learned policy again, warm-started from the static runs' records (one pass);
   4. the oracle: per request, the fastest static mode that passes the quality gate.
 
@@ -70,6 +71,8 @@ def parse_args():
 
 #: quality gate verdicts that let a mode serve
 PASSING = ("pass", "not in report")
+#: the shipped rule policies every run compares, by file stem
+RULE_POLICIES = ("fastest", "least-energy", "batch-first", "paper")
 
 
 class Bench:
@@ -140,7 +143,7 @@ def main() -> int:
         verdicts = bench.gate(gate_path, tmp)
         allowed = [m for m in static_modes if verdicts[m] in PASSING]
 
-        for policy in ("batch-first", "paper"):
+        for policy in RULE_POLICIES:
             bench.policy(ROOT / "policies" / f"{policy}.yaml")
             runs[policy] = bench.send(policy, bench.next_trace())
             tqdm.write(_line(policy, runs[policy]))
@@ -187,9 +190,9 @@ def main() -> int:
         "noise_oracle_mean_s": report.summarize(noise).get("mean_latency_s"),
         "noise_share_of_oracle_gain": report.oracle_gain_share({**runs, "noise": noise}, "noise"),
         "oracle_gain_share": {k: report.oracle_gain_share({**runs, **last_pass}, k)
-                              for k in ("learned", "learned (last pass)", "learned-warm", "batch-first", "paper")},
+                              for k in ("learned", "learned (last pass)", "learned-warm", *RULE_POLICIES)},
         "decision_us_p50": {k: report.summarize(runs[k]).get("decision_us_p50")
-                            for k in ("batch-first", "paper", "learned", "learned-warm")},
+                            for k in (*RULE_POLICIES, "learned", "learned-warm")},
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     stem = report.results_stem(out, f"controller_{Path(args.model).name}", args.tag)

@@ -189,7 +189,8 @@ class Controller:
                 raise NoEligibleMode(f"pinned mode {pinned!r} cannot serve this request: {refused}", refused.code,
                                      frozenset((pinned,)) if refused.code is Code.SATURATED else frozenset())
         else:
-            choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step))
+            choice = policy.choose(features, filtered, self.costs.predictor(features, features.draft_tokens_per_step),
+                                   self._watts)
             if choice.mode is None and (stand_in := self._stand_in(policy, features, filtered)) is not None:
                 mode, why, rule = stand_in
                 reason = f"policy {policy.name}: {choice.reason}; {why}"
@@ -202,6 +203,12 @@ class Controller:
         spent_us = (time.thread_time_ns() - cpu) / 1e3
         wall_us = (time.perf_counter() - start) * 1e6
         return Decision(mode, reason, features, filtered, policy.name, spent_us, rule, chosen, wall_us, pending)
+
+    def _watts(self, mode: str) -> float | None:
+        """A resident mode's running watts (None before its first request): what a policy ordering by energy prices
+        a request's predicted time at."""
+        view = self.modes.get(mode)
+        return view.watts if view is not None else None
 
     def add_observer(self, observer: Observer) -> None:
         """Have ``observer`` called with every completed request."""

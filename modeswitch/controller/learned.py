@@ -299,9 +299,9 @@ class LearnedPolicy:
             cost = self.w_latency * latency
         return cost + self.w_energy * model.energy_j(mode, f) if self.w_energy else cost
 
-    def choose(self, features: Features, filtered: Mapping[str, Verdict], predict=None) -> Choice:
-        """The cheapest mode by the policy's own learned models (``predict``, the engines' measured costs, is
-        not what it learns from)."""
+    def choose(self, features: Features, filtered: Mapping[str, Verdict], predict=None, energy=None) -> Choice:
+        """The cheapest mode by the policy's own learned models (``predict``, the engines' measured costs, and
+        ``energy``, the modes' running watts, are not what it learns from: it weighs its own energy model)."""
         eligible = [m for m in self.modes if m not in filtered]
         if not eligible:
             skipped = "; ".join(f"{m}: {filtered[m]}" for m in self.modes)

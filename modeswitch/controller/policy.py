@@ -115,10 +115,12 @@ class Policy(Protocol):
     def memory(self) -> MemoryPolicy: ...
 
     def choose(self, features: Features, filtered: Mapping[str, Verdict],
-               predict: Callable[[str], Any] | None = None) -> Choice:
+               predict: Callable[[str], Any] | None = None,
+               energy: Callable[[str], float | None] | None = None) -> Choice:
         """A mode not in ``filtered`` (or none, with the reason). ``predict``: a mode's predicted time for this
         request from the measured costs (``CostModel.predict``; None where not measured), for a policy that
-        orders by it."""
+        orders by it; ``energy``: a mode's running watts (None before its first request), for a policy that orders
+        by energy (its predicted time at them)."""
 
     def describe(self) -> dict[str, Any]:
         """The policy as ``GET /admin/policy`` shows it."""

@@ -10,7 +10,10 @@ rules:
     energy: {max_j_per_token: 0.5}           # optional: for requests this rule matches, skip modes above this
 default: [fp16]                              # when no rule matches
 order: listed        # listed: the first mode of the list that passes the gates; predicted: of the modes in the
-                     # list that pass, the one the measured costs predict to finish first (a rule may say its own)
+                     # list that pass, the one the measured costs predict to finish first; energy: of those
+                     # predicted within latency_slack of the first, the one of least predicted joules (a rule may
+                     # say its own)
+latency_slack: 1.25  # with order: energy, how much longer than the fastest a request may be predicted to take
 fallback: [fp16]                             # tried after a rule's (or the default's) own list
 quality: {max_drop_pp: 1.0}                  # the quality gate's tolerances (see QualityPolicy)
 energy: {max_j_per_token: 2.0, modes: {int8: 1.0}}   # energy gate: caps on each mode's running J/token
@@ -26,6 +29,14 @@ modes a kind of request may use, and among those the gates pass the controller's
 on its lane. A mode whose engine has not measured its costs yet is not compared on a guess: measured modes
 come first, the rest in the list's order. ``order: listed`` keeps the list a strict order (``paper.yaml``
 keeps the published table so).
+
+With ``order: energy`` the measurements order by energy within a latency budget: of the modes predicted to finish
+within ``latency_slack`` times the fastest one's time, the one predicted to use the fewest joules: its own
+predicted seconds for this request at the watts its mode's completed requests drew while they ran (the registry's
+running figure, from energy measured where a meter reads the device and estimated otherwise, as the response
+says). Not a mode's joules per token: that figure is as much the mix of requests it happened to serve (short
+answers to long prompts cost more per token anywhere) as the mode. A mode with no figure yet is not compared on a
+guess either: where no mode within the slack has one, the fastest serves (and so gets one).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ..yamlconf import Section
 from .completed import Completed
@@ -65,7 +76,9 @@ class Condition:
 
 
 PREFER = ("prefix_match",)
-ORDERS = ("listed", "predicted")
+ORDERS = ("listed", "predicted", "energy")
+#: the orders that read the cost model's predictions
+MEASURED_ORDERS = ("predicted", "energy")
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,8 @@ class RulePolicy:
     energy: EnergyPolicy = EnergyPolicy()
     memory: MemoryPolicy = MemoryPolicy()
     order: str = "listed"
+    #: with ``order: energy``: the most a mode's predicted time may exceed the fastest's, as a factor (>= 1)
+    latency_slack: float = 1.25
     _last_match: _LastMatch = field(default_factory=_LastMatch, init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
@@ -126,7 +141,8 @@ class RulePolicy:
         return {"name": self.name, "type": "rules", "source": self.source, "description": self.description,
                 "rules": [{"name": r.name, "use": list(r.use), "when": [f"{c.feature} {c.op} {c.value:g}"
                                                                        for c in r.conditions]} for r in self.rules],
-                "default": list(self.default), "fallback": list(self.fallback), "order": self.order}
+                "default": list(self.default), "fallback": list(self.fallback), "order": self.order,
+                **({"latency_slack": self.latency_slack} if self.uses_energy_order else {})}
 
     def match(self, features: Features) -> Rule | None:
         """The first rule whose conditions hold, or None (the default list applies)."""
@@ -135,10 +151,12 @@ class RulePolicy:
                 return r
         return None
 
-    def choose(self, features: Features, filtered: Mapping[str, Verdict], predict: Predict | None = None) -> Choice:
+    def choose(self, features: Features, filtered: Mapping[str, Verdict], predict: Predict | None = None,
+               energy: Callable[[str], float | None] | None = None) -> Choice:
         """A mode of the matching rule's list (then the fallback list) that no gate filtered: the first one, or
-        with ``order: predicted`` (and ``predict``) the one predicted to finish first. The reason is written when
-        read (see :class:`~.policy.Choice`)."""
+        with ``order: predicted`` (and ``predict``) the one predicted to finish first, or with ``order: energy``
+        (and ``energy``, a mode's running watts) the least predicted energy within the latency slack. The reason is
+        written when read (see :class:`~.policy.Choice`)."""
         rule = self.match(features)
         groups = self._groups(rule.candidates(features)) if rule is not None else self._default_groups
         order = (rule.order if rule is not None and rule.order else self.order) if predict is not None else "listed"
@@ -148,8 +166,9 @@ class RulePolicy:
             if not admitted:
                 continue
             explain = _Explain(rule, features, filtered, groups[:i + 1], fallback=i > 0)
-            if order == "predicted":
-                return _fastest(admitted, predict, explain, rule_name)
+            if order in MEASURED_ORDERS:
+                by_energy = (self.latency_slack, energy) if order == "energy" and energy is not None else None
+                return _fastest(admitted, predict, explain, rule_name, by_energy)
             return Choice(admitted[0], partial(explain.listed, admitted[0]), rule_name)
         return Choice(None, _Explain(rule, features, filtered, groups, fallback=False).none, rule_name)
 
@@ -169,7 +188,11 @@ class RulePolicy:
 
     @property
     def orders_by_measurement(self) -> bool:
-        return self.order == "predicted"
+        return self.order in MEASURED_ORDERS
+
+    @cached_property
+    def uses_energy_order(self) -> bool:
+        return self.order == "energy" or any(r.order == "energy" for r in self.rules)
 
     @cached_property
     def tested_features(self) -> frozenset[str]:
@@ -236,14 +259,19 @@ class _Explain:
         return f"{self.why()}; no eligible mode: {'; '.join(self.skipped())}"
 
 
-def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str | None) -> Choice:
+def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str | None,
+             by_energy: tuple[float, Callable[[str], float | None]] | None = None) -> Choice:
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
     unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
     otherwise (modes on one engine stream with the same prompt to compute share one prediction). A mode whose
     engine is idle by measurement (slower at every load than another on its cores, ``predict.idle``) is compared
     only when no other mode has a prediction: its own time may look shorter while the faster engine is busy, but
     its steps take the cores from that engine's, which the greedy sum of one request's own time and delay does not
-    see. So it is not even predicted while another mode is."""
+    see. So it is not even predicted while another mode is.
+
+    ``by_energy`` (the latency slack, a mode's running watts): of the modes predicted within the slack of the first,
+    the one of least predicted joules (its own predicted seconds at its watts; ties by time), where any of them has
+    a figure; the runner-up is then the fastest."""
     idle = getattr(predict, "idle", frozenset())
     predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
                  if name not in idle and (p := predict(name)) is not None]
@@ -255,7 +283,15 @@ def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str
         return Choice(admitted[0], lambda: f"{explain.why()}{explain.via} -> {admitted[0]} (no mode measured yet: "
                                            f"the list's order){explain.tail()}", rule)
     best = min(predicted)  # (total, list index, ...): the index settles every tie
-    ranked = _Ranked(best, predicted, admitted, idle, fallback, explain)
+    energy = None
+    if by_energy is not None:
+        slack, watts = by_energy
+        within = [(w * t[3].own_s, t) for t in predicted if t[0] <= best[0] * slack and (w := watts(t[2])) is not None]
+        energy = (None, slack)
+        if within:
+            joules, frugal = min(within, key=lambda jt: (jt[0], jt[1][:2]))
+            energy, best = (joules, slack), frugal
+    ranked = _Ranked(best, predicted, admitted, idle, fallback, explain, energy)
     return Choice(best[2], ranked.reason, rule, ranked.prediction)
 
 
@@ -263,12 +299,15 @@ class _Ranked:
     """What :func:`_fastest` predicted, written when read: the chosen mode's prediction and the runner-up's (the best
     mode predicted otherwise), and the modes it left alone."""
 
-    __slots__ = ("best", "predicted", "admitted", "idle", "fallback", "explain")
+    __slots__ = ("best", "predicted", "admitted", "idle", "fallback", "explain", "energy")
 
     def __init__(self, best: tuple, predicted: list[tuple], admitted: list[str], idle: frozenset[str],
-                 fallback: bool, explain: _Explain) -> None:
+                 fallback: bool, explain: _Explain, energy: tuple[float | None, float] | None = None) -> None:
         self.best, self.predicted, self.admitted, self.idle = best, predicted, admitted, idle
         self.fallback, self.explain = fallback, explain
+        #: ordered by energy: the chosen mode's predicted joules (None: no mode within the slack has a figure yet, so
+        #: the fastest) and the latency slack
+        self.energy = energy
 
     def runner_up(self) -> tuple[str, Prediction] | None:
         p = self.best[3]
@@ -283,6 +322,10 @@ class _Ranked:
     def reason(self) -> str:
         *_, best, p = self.best
         text = f"{self.explain.why()}{self.explain.via} -> {best}, predicted {p.total:.3g} s"
+        if self.energy is not None and self.energy[0] is not None:
+            text += f", least energy within {self.energy[1]:g}x of the fastest: {self.energy[0]:.3g} J predicted"
+        elif self.energy is not None:
+            text += f", the fastest: no mode within {self.energy[1]:g}x of it has served a request to measure its watts"
         if (second := self.runner_up()) is not None:
             text += f" (runner-up {second[0]} {second[1].total:.3g} s)"
         left_alone = [name for name in self.admitted if name in self.idle]
@@ -315,7 +358,7 @@ def _mode_list(sec: Section, key: str, known: set[str], default=None) -> tuple[s
 def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePolicy:
     """A ``type: rules`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
     source = sec.source
-    sec.only(COMMON_KEYS | {"rules", "default", "fallback", "order"})
+    sec.only(COMMON_KEYS | {"rules", "default", "fallback", "order", "latency_slack"})
     rules = []
     raw_rules = sec.get("rules", list, [])
     for i, raw in enumerate(raw_rules):
@@ -345,5 +388,14 @@ def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePo
         default=_mode_list(sec, "default", known),
         fallback=_mode_list(sec, "fallback", known, []),
         order=sec.get("order", str, RulePolicy.order, ORDERS),
+        latency_slack=_slack(sec),
         **common,
     )
+
+
+def _slack(sec: Section) -> float:
+    value = float(sec.get("latency_slack", (int, float), RulePolicy.latency_slack))
+    if value < 1:
+        raise sec.error(f"must be at least 1 (a factor of the fastest mode's predicted time), got {value:g}",
+                        "latency_slack")
+    return value

@@ -69,3 +69,7 @@ class ModeView(Protocol):
     @property
     def j_per_token(self) -> float | None:
         """Running J per generated token over its completed requests (None before the first)."""
+
+    @property
+    def watts(self) -> float | None:
+        """Running watts its completed requests drew while they ran (None before the first)."""

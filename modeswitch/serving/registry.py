@@ -42,6 +42,11 @@ ENERGY_EWMA_ALPHA = 0.2
 WARM_UP_TIMEOUT_S = 300
 
 
+def _running(old: float | None, value: float) -> float:
+    """An exponential moving average's next value (the first sample starts it)."""
+    return value if old is None else old + ENERGY_EWMA_ALPHA * (value - old)
+
+
 class Standing:
     """Counts the changes to the standing of a registry's modes: what the controller's standing gates read of a
     mode (available or loading and why, its quarantine, its engine and card). The controller keeps those gates'
@@ -83,6 +88,9 @@ class ModeState:
     last_error: str = ""
     #: running J per generated token over this mode's completed requests (None until one has finished)
     j_per_token: float | None = None
+    #: running watts its completed requests drew while they ran (their joules over their seconds): what a request's
+    #: predicted time is priced at by a policy ordering by energy (None until one has finished)
+    watts: float | None = None
     energy_requests: int = 0
     #: the running batch it shares with other modes (see BuiltMode.batch); empty: its own
     shared_batch: str = ""
@@ -103,13 +111,14 @@ class ModeState:
     def record_success(self) -> None:
         self.consecutive_failures = 0
 
-    def record_energy(self, joules: float, generated_tokens: int) -> None:
-        """Fold a completed request's energy into the mode's running J/token (what the energy gate reads)."""
+    def record_energy(self, joules: float, generated_tokens: int, seconds: float = 0.0) -> None:
+        """Fold a completed request's energy into the mode's running J/token (what the energy gate reads) and, with
+        the seconds it took, its running watts."""
         if generated_tokens <= 0:
             return
-        value = joules / generated_tokens
-        old = self.j_per_token
-        self.j_per_token = value if old is None else old + ENERGY_EWMA_ALPHA * (value - old)
+        self.j_per_token = _running(self.j_per_token, joules / generated_tokens)
+        if seconds > 0:
+            self.watts = _running(self.watts, joules / seconds)
         self.energy_requests += 1
 
     @property
@@ -204,7 +213,8 @@ class ModeState:
             **self.details,
         }
         if self.j_per_token is not None:
-            out["energy"] = {"j_per_token": round(self.j_per_token, 6), "requests": self.energy_requests}
+            out["energy"] = {"j_per_token": round(self.j_per_token, 6), "requests": self.energy_requests,
+                             **({"watts": round(self.watts, 3)} if self.watts is not None else {})}
         if self.failures:
             out["health"] = {"failures": self.failures, "last_error": self.last_error,
                              "quarantine_left_s": round(self.quarantine_left, 1)}

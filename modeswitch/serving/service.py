@@ -201,7 +201,7 @@ class Generation:
             tpot = (end - self.first_token_at) / (n - 1) if n > 1 else None
         scoring = self.params.prompt_logprobs is not None
         if outcome == "ok" and not scoring:
-            self.service.registry.modes[self.mode].record_energy(self.request.energy_j, n)
+            self.service.registry.modes[self.mode].record_energy(self.request.energy_j, n, end - self.started_at)
         self.service.controller.observe(Completed(
             mode=self.mode, features=self.features, outcome=outcome, ttft_s=ttft, tpot_s=tpot,
             latency_s=end - self.started_at, prompt_tokens=len(self.prompt_ids), completion_tokens=n,

@@ -1,5 +1,6 @@
 """The controller without a model: typed verdicts from every gate, the code a refusal carries, the hook for
-completed requests, energy caps through both policy types, and one quality judgement for report and router.
+completed requests, energy caps through both policy types, ordering by energy within a latency slack, and one
+quality judgement for report and router.
 
 Modes are plain objects with the attributes of ``controller.view.ModeView``: no pool, no engine, no server.
 """
@@ -42,6 +43,7 @@ class Mode:
     quarantine_s: float = 0.0  # seconds of quarantine left, from now
     last_error: str = ""
     j_per_token: float | None = None
+    watts: float | None = None
     kernels: dict | None = None
 
     @property
@@ -247,3 +249,60 @@ def test_the_controller_imports_no_registry_engine_or_eval_harness():
             "print(sorted(m for m in ('modeswitch.serving.registry', 'modeswitch.backends', 'modeswitch.engines', 'torch', 'lm_eval') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+
+ENERGY_ORDER = "rules: []\ndefault: [fp16, int8, gptq]\norder: energy\nlatency_slack: 1.25\n"
+
+
+def test_an_energy_ordered_policy_takes_the_least_predicted_joules_within_its_latency_slack():
+    """Of the modes predicted within the slack of the fastest, the one whose predicted seconds at its measured watts
+    come to the fewest joules; a mode outside the slack never, however frugal; one with no figure yet is not compared
+    on a guess."""
+    from modeswitch.controller.costs import Prediction
+
+    times = {"fp16": 1.0, "int8": 1.2, "gptq": 2.0}
+    watts = {"fp16": 1.0, "int8": 0.5, "gptq": 0.1}
+
+    def predict(mode):
+        return Prediction(times[mode], 0.0, 0.0, 0.1, times[mode] - 0.1) if mode in times else None
+
+    policy = policy_from(ENERGY_ORDER)
+    choice = policy.choose(feats(), {}, predict, watts.get)
+    assert choice.mode == "int8" and choice.prediction["runner_up"]["mode"] == "fp16"
+    assert "least energy within 1.25x of the fastest: 0.6 J predicted" in choice.reason
+    watts["int8"] = 0.9  # 1.08 J: fewer watts than fp16's, more joules over its longer time
+    assert policy.choose(feats(), {}, predict, watts.get).mode == "fp16"
+    watts["int8"], times["int8"] = 0.5, 1.3  # now outside the slack: the fastest
+    assert policy.choose(feats(), {}, predict, watts.get).mode == "fp16"
+    times["int8"] = 1.2
+    unmeasured = {"fp16": 1.0, "int8": None, "gptq": 0.1}
+    assert policy.choose(feats(), {}, predict, unmeasured.get).mode == "fp16"
+    choice = policy.choose(feats(), {}, predict, lambda m: None)
+    assert choice.mode == "fp16" and "no mode within 1.25x of it has served a request" in choice.reason
+    assert policy_from(ENERGY_ORDER.replace("1.25", "1")).choose(feats(), {}, predict, watts.get).mode == "fp16"
+    assert policy.orders_by_measurement and policy.describe()["latency_slack"] == 1.25
+    with pytest.raises(Exception, match="latency_slack.*at least 1"):
+        policy_from(ENERGY_ORDER.replace("1.25", "0.8"))
+
+
+def test_the_controller_prices_an_energy_ordered_policys_predictions_at_each_modes_running_watts():
+    """Through ``decide``: the modes' own running figures (``ModeView.watts``) and the measured costs."""
+    from modeswitch.controller.costs import Binding, CostModel
+
+    names = ("fp16", "int8", "gptq")
+    costs = CostModel()
+    costs.bind(Binding(streams={m: m for m in names}, lanes={}, engines={m: m for m in names},
+                       slots={m: 8 for m in names}))
+    for m, step in (("fp16", 0.010), ("int8", 0.011), ("gptq", 0.030)):
+        costs.add_prefill(m, 16, 0.01)
+        costs.add_step(m, 1, step)
+    modes = {"fp16": Mode("fp16", watts=60.0), "int8": Mode("int8", watts=30.0), "gptq": Mode("gptq", watts=5.0)}
+    ctl = Controller(modes, policy_from(ENERGY_ORDER), costs=costs)
+    decision = ctl.decide(feats())
+    assert decision.mode == "int8" and "J predicted" in decision.reason
+    modes["int8"].watts = None  # as before its first request: not compared on a guess
+    assert ctl.decide(feats()).mode == "fp16"
+    fastest = Controller(modes, policy_from(ENERGY_ORDER.replace("energy", "predicted")), costs=costs)
+    modes["int8"].watts = 30.0
+    assert fastest.decide(feats()).mode == "fp16"  # the same figures, ordered by time alone

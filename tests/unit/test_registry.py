@@ -163,8 +163,10 @@ def test_mode_state_is_what_the_controller_reads():
     assert state.quarantine_left == 0 and state.last_error == "" and state.j_per_token is None
     state.record_failure("boom")
     assert state.quarantine_left > 0 and state.last_error == "boom"
-    state.record_energy(2.0, 4)
-    assert state.j_per_token == 0.5
+    state.record_energy(2.0, 4, 0.5)
+    assert state.j_per_token == 0.5 and state.watts == 4.0
+    state.record_energy(1.0, 4, 1.0)  # each a running mean: 0.2 of the way to the new request's
+    assert state.j_per_token == pytest.approx(0.45) and state.watts == pytest.approx(3.4)
     reg.close()
 
 
