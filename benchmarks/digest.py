@@ -67,7 +67,7 @@ def controller(s: dict) -> list[Row]:
     row: Row = {"fp16 mean s": num(get(rows, "mode:fp16", "mean_latency_s")),
                 "best static mode (mean s)": f"{best.removeprefix('mode:')} ({num(get(rows, best, 'mean_latency_s'))})"
                 if best else None}
-    for run in ("batch-first", "paper", "learned", "learned-warm", "oracle"):
+    for run in ("fastest", "least-energy", "batch-first", "paper", "learned", "learned-warm", "oracle"):
         row[f"{run} vs fp16"] = ratio(get(rows, run, "speedup_mean"))
     row["learned's share of the oracle's gain"] = num(get(s, "targets", "oracle_gain_share", "learned"))
     return [row]
