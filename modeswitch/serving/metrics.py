@@ -92,10 +92,14 @@ class _RegistryCollector:
         j_per_token = GaugeMetricFamily("modeswitch_mode_joules_per_token",
                                         "Running J per generated token (what the energy gate reads)",
                                         labels=["mode", "source"])
+        watts = GaugeMetricFamily("modeswitch_mode_watts", "Running watts its completed requests drew "
+                                  "(what order: energy prices predictions at)", labels=["mode", "source"])
         source = self.registry.energy.source
         for name, state in self.registry.modes.items():
             if state.j_per_token is not None:
                 j_per_token.add_metric([name, source], state.j_per_token)
+            if state.watts is not None:
+                watts.add_metric([name, source], state.watts)
         totals = self.registry.energy.totals()
         idle = CounterMetricFamily("modeswitch_energy_idle_joules", "Energy while no engine step ran",
                                    labels=["source"])
@@ -104,7 +108,7 @@ class _RegistryCollector:
                                          "Energy split over requests (all modes, warm-up included)", labels=["source"])
         attributed.add_metric([source], totals["attributed_j"])
         free, fraction = memory_headroom()
-        yield from (in_flight, up, quarantined, failures, *engine.values(), retry, j_per_token, idle, attributed)
+        yield from (in_flight, up, quarantined, failures, *engine.values(), retry, j_per_token, watts, idle, attributed)
         yield from self._occupancy()
         yield GaugeMetricFamily("modeswitch_memory_free_bytes", "Free device memory", value=free)
         yield GaugeMetricFamily("modeswitch_memory_headroom", "Free fraction of device memory", value=fraction)

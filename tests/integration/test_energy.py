@@ -106,6 +106,11 @@ def test_responses_and_metrics_carry_estimated_energy(server):
     assert energy_counter() == pytest.approx(before + usage["energy_j"], rel=1e-3)
     modes = {m["name"]: m for m in server.get("/v1/modes").json()["modes"]}
     assert modes["fp16"]["energy"]["source"] == "estimated" and modes["fp16"]["energy"]["j_per_token"] > 0
+    watts = modes["fp16"]["energy"]["watts"]  # what order: energy prices a prediction at, as /metrics says too
+    assert watts > 0 and any(s.value == pytest.approx(watts, rel=1e-3) for family in
+                             text_string_to_metric_families(server.get("/metrics").text)
+                             if family.name == "modeswitch_mode_watts" for s in family.samples
+                             if s.labels["mode"] == "fp16")
 
 
 # ---------------------------------------------------------------------------------------------- energy gate
