@@ -21,6 +21,7 @@ from modeswitch.cluster.prefixes import BLOCK_CHARS  # noqa: E402
 from modeswitch.config import HttpConfig, LoadConfig, ServerConfig  # noqa: E402
 from modeswitch.serving.launcher import free_port  # noqa: E402
 from modeswitch.resources import POLICIES_DIR  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -125,10 +126,8 @@ def test_a_replica_killed_mid_request_loses_nothing(cluster):
     with ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(_complete, cluster, f"Story number {i}: once upon a time", 48) for i in range(4)]
         # all four go out, two to each replica (about 2 s each, one at a time): killed once it holds one
-        deadline, on_victim = time.monotonic() + 30, 0
-        while not on_victim and time.monotonic() < deadline:
-            views = requests.get(f"{cluster}/v1/modes", timeout=30).json()["replicas"]
-            on_victim = sum(m["in_flight"] for v in views if v["replica"] == victim for m in v.get("modes", ()))
+        on_victim = wait_for(lambda: sum(m["in_flight"] for v in requests.get(f"{cluster}/v1/modes", timeout=30)
+                                         .json()["replicas"] if v["replica"] == victim for m in v.get("modes", ())))
         ray.kill(ray.get_actor(actor, namespace="serve"), no_restart=True)
         answers = [f.result() for f in in_flight]
     assert on_victim > 0  # the kill caught requests on the killed replica: they are among the answers below

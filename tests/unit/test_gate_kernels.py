@@ -20,6 +20,7 @@ from modeswitch.controller.verdicts import Code
 from modeswitch.evals.gate import mark, merged, render
 from policy_text import feats, policy_from
 from test_controller import Mode
+from waiting import wait_for
 
 BF16 = {"weights": "bfloat16", "weight_format": "dense", "activations": "bfloat16", "compute": "bfloat16",
         "kernel": "oneDNN matmul"}
@@ -213,9 +214,7 @@ def test_the_server_scores_its_pending_modes_behind_the_requests_and_keeps_the_r
     with ThreadPoolExecutor(1) as pool:  # a request in flight: nothing is sent until it ended 0.3 s ago
         busy = pool.submit(requests.post, url + "/v1/completions", timeout=30,
                            json={"prompt": "Hello", "max_tokens": 20, "temperature": 0, "mode": "fp16"})
-        admitted = time.monotonic() + 10
-        while not app.assembled.admission.active and time.monotonic() < admitted:
-            time.sleep(0.01)
+        wait_for(lambda: app.assembled.admission.active, 10, every=0.01)
         waited = time.perf_counter()
         scorer.wait_quiet()  # 20 tokens at 50 ms each: about a second, then 0.3 s of quiet
         assert busy.done() and busy.result().json()["modeswitch"]["mode"] == "fp16"

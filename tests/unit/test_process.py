@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from modeswitch.serving.launcher import ROOT, SERVE_FAKE, start_server
+from waiting import wait_for
 
 
 @pytest.fixture
@@ -37,14 +38,10 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(fake_process):
     body = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}  # 2 s at 0.05 s a token
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(requests.post, url + "/v1/completions", json=body, timeout=60)
-        deadline = time.monotonic() + 10
-        while requests.get(url + "/health", timeout=5).json()["in_flight"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: requests.get(url + "/health", timeout=5).json()["in_flight"], 10, every=0.02)
         proc.send_signal(signal.SIGTERM)
-        while not requests.get(url + "/health", timeout=5).json()["draining"]:  # a thread the handler starts sets it
-            assert time.monotonic() < deadline + 10
-            time.sleep(0.02)
+        # a thread the handler starts sets it
+        wait_for(lambda: requests.get(url + "/health", timeout=5).json()["draining"], 10, every=0.02)
         refused = requests.post(url + "/v1/completions", json=body, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         done = pending.result()
