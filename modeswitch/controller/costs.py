@@ -35,6 +35,10 @@ and, for a speculative one, 1 plus the drafting gain learned for this kind of re
 replays drafting at its full bound) times the share of that gain the engine's drafting requests got at load
 ``1 + o_e`` (a third curve, ``draft_yield``, from every finished drafting request: an engine that drafts less when
 busy, as the vLLM engines' drafting budget does on a CPU, delivers less of it there; all of it until measured);
+a drafting stream's ``step_e`` is moved by the tokens the request is predicted to draft a step (each one verified,
+accepted or not: on a CPU a step that verifies five drafts costs more than one that verifies none) along a line
+fitted per load bucket to its finished requests' steps against their predicted drafts (``verify``,
+:class:`~.curves.DraftFit`; the curve as it is until a bucket has its slope);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
@@ -271,11 +275,13 @@ class CostModel:
 
     def install(self, stream: str, costs: StreamCosts) -> None:
         """Replace ``stream``'s curves with a calibration's, measured whole before they count (what its drafting
-        delivered is learned from live requests only: kept)."""
+        delivered, and what a step costs by the drafts, are learned from live requests only: kept)."""
         with self._lock:
             old = self._streams.get(stream)
             if old is not None and not costs.draft_yield.measured:
                 costs.draft_yield = old.draft_yield
+            if old is not None and not costs.verify.buckets:
+                costs.verify = old.verify
             self._streams[stream] = costs
             self._stale.discard(stream)
             self._measured_at[stream] = time.monotonic()
@@ -286,10 +292,14 @@ class CostModel:
         with self._lock:
             costs.prefill.add(max(tokens, 1), seconds)
 
-    def add_step(self, stream: str, lane_load: float, seconds: float) -> None:
+    def add_step(self, stream: str, lane_load: float, seconds: float, drafts: float | None = None) -> None:
+        """A step's seconds at a load; ``drafts``: the tokens its request was predicted to draft a step (a drafting
+        stream's)."""
         costs = self.stream(stream)
         with self._lock:
             costs.step.add(max(lane_load, 1), seconds)
+            if drafts is not None:
+                costs.verify.add(max(lane_load, 1), drafts, seconds)
             self._find_idle()
 
     def add_service(self, stream: str, seconds: float) -> None:
@@ -344,14 +354,16 @@ class CostModel:
         seconds = completed.tpot_s
         if prefilled is not None and prefilled[1] > 0:  # less the prompts its steps computed beside its own token
             seconds -= prefilled[1] * (self.stream(stream).prefill.slope() or 0.0) / (completed.completion_tokens - 1)
+        drafts = None
         if completed.mode in b.drafting:  # per target step: the tokens per step this request got
             per_step = tokens_per_target_step(completed.completion_tokens, completed.target_steps)
             if per_step is None:
                 return
             self._add_yield(stream, own, per_step, f.draft_tokens_per_step)
             seconds *= per_step
+            drafts = f.drafts_per_step
         if not others and seconds > 0:  # nothing left of it once the prompts beside it are taken out: not a step
-            self.add_step(stream, own, seconds)
+            self.add_step(stream, own, seconds, drafts)
 
     def _add_yield(self, stream: str, load: float, got: float, predicted: float) -> None:
         """The share of its predicted drafting gain a drafting request got at ``load`` (tokens per target step less
@@ -396,6 +408,7 @@ class CostModel:
                 lane = places[m][0] if m in places else ""
                 queued[lane] = queued.get(lane, 0) + n
         prompt, held, max_tokens = features.prompt_tokens, features.prefix_match_by_mode, features.max_tokens
+        drafted = features.drafts_per_step
         busy = bool(on_lane or queued)  # on an idle server every lane's state is _IDLE_LANE: not worked out
         #: engine -> one step of it at its load, on its own curve (its plain stream's; 0 where not measured), and
         #: lane -> the sum of those of its busy engines: read once for every lane and stream that asks
@@ -436,6 +449,8 @@ class CostModel:
             mine = on_engine.get(engine, 0)
             meets = round(met_engine.get(engine, 0.0) * 4) / 4 + 1  # to a quarter: a curve keeps what it has read
             own_step = step_at(meets)
+            if drafting and drafted is not None:
+                own_step = costs.verify.step(own_step, meets, drafted)
             # the other busy engines' turns (an engine not measured yet is counted at nothing)
             step = own_step + (turn - busy_step[engine] if mine else turn) if lane_load > mine else own_step
             steps = max_tokens - 1

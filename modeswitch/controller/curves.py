@@ -1,5 +1,5 @@
 """Measured curves: seconds against a size, in log2 buckets, each bucket a decaying mean of what was measured in
-it, read by linear interpolation between the buckets measured; and the two curves (plus the whole-request time) an
+it, read by linear interpolation between the buckets measured; and the curves (plus the whole-request time) an
 engine stream keeps. What :mod:`.costs` predicts from; apart from it because they know nothing of modes, engines
 or lanes."""
 
@@ -115,6 +115,76 @@ class Curve:
         return curve
 
 
+#: the requests a load bucket's fit of step seconds against drafts needs before its slope is read (fewer say little
+#: of a slope the prompt's length and the machine's noise also move)
+MIN_FIT = 8
+
+
+class _Moments:
+    """One load bucket's running means of a drafting step's (drafts, seconds), their squares and product, weighing
+    recent samples more once it has many (as :class:`_Point`)."""
+
+    __slots__ = ("load", "d", "s", "dd", "ds", "n")
+
+    def __init__(self, load: float = 0.0, d: float = 0.0, s: float = 0.0, dd: float = 0.0, ds: float = 0.0,
+                 n: int = 0) -> None:
+        self.load, self.d, self.s, self.dd, self.ds, self.n = load, d, s, dd, ds, n
+
+    def add(self, load: float, d: float, s: float) -> None:
+        self.n += 1
+        w = max(WEIGHT, 1.0 / self.n)
+        self.load += (load - self.load) * w
+        self.d += (d - self.d) * w
+        self.s += (s - self.s) * w
+        self.dd += (d * d - self.dd) * w
+        self.ds += (d * s - self.ds) * w
+
+    def slope(self) -> float | None:
+        """Seconds a step per drafted token, by least squares over the bucket's requests; None with fewer than
+        :data:`MIN_FIT` of them, drafts that barely vary, or a line that would cost nothing at no drafts."""
+        var = self.dd - self.d * self.d
+        if self.n < MIN_FIT or var <= 1e-6:
+            return None
+        slope = max((self.ds - self.d * self.s) / var, 0.0)
+        return slope if self.s - slope * self.d > 0 else None
+
+
+class DraftFit:
+    """What a drafting stream's step costs by the tokens its request drafts: each drafted token is verified by the
+    step, accepted or not, so on a CPU a step that verifies five costs more than one that verifies none. Per log2
+    bucket of the engine load, a least-squares line of the step's seconds against the tokens the request was
+    predicted to draft a step (``Features.drafts_per_step``: what a prediction knows of a request; the engine drafts
+    fewer than the replay proposes, and the line's slope at a load takes that in). :meth:`step` moves the step
+    curve's seconds at a load along its bucket's line, from the drafts the bucket's requests were predicted to
+    draft to this request's."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, _Moments] = {}
+
+    def add(self, load: float, drafts: float, seconds: float) -> None:
+        if seconds >= 0 and math.isfinite(seconds) and drafts >= 0:
+            self.buckets.setdefault(bucket(load), _Moments()).add(float(load), float(drafts), float(seconds))
+
+    def step(self, seconds: float, load: float, drafts: float) -> float:
+        """``seconds`` (the step curve's at ``load``) for a request predicted to draft ``drafts`` a step; as it is
+        while the bucket's slope is not known."""
+        fit = self.buckets.get(bucket(load))
+        slope = fit.slope() if fit is not None else None
+        return seconds if slope is None else max(seconds + slope * (drafts - fit.d), 0.0)
+
+    def dump(self) -> list[list[float]]:
+        """Its buckets as ``[load, drafts, seconds, drafts squared, drafts x seconds, samples]`` (running means)."""
+        return [[round(m.load, 2), round(m.d, 4), round(m.s, 6), round(m.dd, 4), round(m.ds, 6), m.n]
+                for _, m in sorted(self.buckets.items())]
+
+    @classmethod
+    def load(cls, rows: Iterable[Iterable[float]]) -> "DraftFit":
+        fit = cls()
+        for load, d, s, dd, ds, n in rows:
+            fit.buckets[bucket(load)] = _Moments(float(load), float(d), float(s), float(dd), float(ds), int(n))
+        return fit
+
+
 @dataclass
 class StreamCosts:
     """An engine stream's measured costs (plain requests, or its drafting requests)."""
@@ -127,6 +197,9 @@ class StreamCosts:
     #: one) that the engine delivered, against the requests on the engine (an engine that drafts less when busy
     #: delivers less of it there); empty for a plain stream
     draft_yield: Curve = field(default_factory=Curve)
+    #: a drafting stream's: per engine load, its step's seconds against the tokens its requests were predicted to
+    #: draft a step (empty for a plain stream)
+    verify: DraftFit = field(default_factory=DraftFit)
 
     @classmethod
     def empty(cls) -> "StreamCosts":
@@ -141,6 +214,8 @@ class StreamCosts:
                "service_s": [round(self.service.y, 4), self.service.n]}
         if self.draft_yield.measured:
             out["draft_yield_by_engine_load"] = self.draft_yield.dump()
+        if self.verify.buckets:
+            out["step_s_by_predicted_drafts"] = self.verify.dump()
         return out
 
     @classmethod
@@ -148,4 +223,6 @@ class StreamCosts:
         service = data.get("service_s") or [0.0, 0]
         return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
                    _Point(0.0, float(service[0]), int(service[1])),
-                   Curve.load(data.get("draft_yield_by_engine_load", ())))
+                   Curve.load(data.get("draft_yield_by_engine_load", ())),
+                   DraftFit.load(data.get("step_s_by_predicted_drafts", ())))
+

@@ -25,6 +25,8 @@ FEATURE_DOCS = {
     "prompt_repeat": "share of the prompt's last 256 tokens' trigrams that occur earlier in them (0..1)",
     "draft_tokens_per_step": "tokens per target step prompt-lookup drafting is predicted to yield for this request "
                              "(1: no gain; learned from earlier requests of its kind, controller/speculation.py)",
+    "drafts_per_step": "tokens prompt-lookup drafting is predicted to draft a target step for this request, each "
+                       "verified by the step whether accepted or not (null: no request of its kind seen yet)",
     "speculation_gain": "the request's predicted speed-up on the best speculative mode over the plain batch on the "
                         "same weights, at the current load (0 when no speculative mode is resident; null, not "
                         "computed, where no rule of the policy tests it)",
@@ -62,6 +64,7 @@ class Features:
     #: what drafting is expected to do for this request (see FEATURE_DOCS)
     prompt_repeat: float = 0.0
     draft_tokens_per_step: float = 1.0
+    drafts_per_step: float | None = None
     speculation_gain: float | None = None
     #: the request options it sets, which the mode must honour (``SamplingParams.needs``; the capability gate)
     needs: tuple[str, ...] = ()

@@ -4,20 +4,23 @@ online from every completed request. What a drafting step costs is measured per 
 Prompt-lookup drafting (vLLM's ``ngram`` method, transformers' ``prompt_lookup_num_tokens``) proposes the tokens
 that followed the latest earlier occurrence of the context's last n-gram. How many of them the target accepts
 depends on how much of the answer copies the prompt (quoting, editing code, repeating a list: most; free prose:
-little). That is known only after the answer, but then exactly: :func:`ngram_steps` replays the drafting over the
-prompt and the answer a request got, whatever mode served it, and gives the target steps it would have taken. So
+little). That is known only after the answer, but then exactly: :func:`ngram_replay` replays the drafting over the
+prompt and the answer a request got, whatever mode served it, and gives the target steps it would have taken and the
+tokens it would have drafted (what those steps verify: a step that verifies five drafts costs more than one that
+verifies none, and prose that matches often but is seldom right drafts many tokens for little gain). So
 every completed request teaches the model, not only the speculative ones, and no request is sent to a speculative
 mode just to find out. The prediction for a new request is the running mean over earlier requests of its kind:
 its task family, its prompt length (log2 buckets) and how repetitive its prompt is (the share of its last 256
 tokens' trigrams seen earlier in them: lists, code and tables repeat their own structure); a kind not seen yet is
-predicted to gain nothing. Computing the kind costs a few microseconds.
+predicted to gain nothing (and to draft what the engine measured its drafting requests to draft). Computing the kind
+costs a few microseconds.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..modes import NGRAM_MAX, NGRAM_MIN
 from .completed import Completed
@@ -39,12 +42,19 @@ def prompt_repeat(prompt_ids: Sequence[int]) -> float:
     return 1.0 - len(set(zip(tail, tail[1:], tail[2:]))) / total
 
 
-def ngram_steps(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int = REPLAY_K,
-                n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> int:
-    """Target steps prompt-lookup drafting of ``k`` tokens would take to produce ``output_ids`` after
-    ``prompt_ids`` greedily: each step proposes the ``k`` tokens that followed the latest earlier occurrence of
-    the longest matching suffix n-gram (``n_max`` down to ``n_min``), accepts the proposal's agreeing prefix,
-    and adds one token of its own."""
+class Replay(NamedTuple):
+    """What prompt-lookup drafting would have done for one answer: its target steps, and the tokens it drafted over
+    them (each proposal as proposed, accepted or not)."""
+
+    steps: int
+    drafted: int
+
+
+def ngram_replay(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int = REPLAY_K,
+                 n_min: int = NGRAM_MIN, n_max: int = NGRAM_MAX) -> Replay:
+    """Prompt-lookup drafting of ``k`` tokens replayed over ``output_ids`` after ``prompt_ids``, greedily: each step
+    proposes the (up to) ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix
+    n-gram (``n_max`` down to ``n_min``), accepts the proposal's agreeing prefix, and adds one token of its own."""
     seq = list(prompt_ids) + list(output_ids)
     start, end = len(prompt_ids), len(seq)
     last: list[dict[tuple, int]] = [{} for _ in range(n_max + 1)]  # n -> n-gram -> index after its latest end
@@ -56,7 +66,7 @@ def ngram_steps(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int = R
                     last[n][tuple(seq[j - n + 1:j + 1])] = j + 1
 
     indexed = 0
-    pos, steps = start, 0
+    pos, steps, drafted = start, 0, 0
     while pos < end:
         # n-grams that end before the current suffix's last token: an occurrence strictly earlier
         index_upto(pos - 1, indexed)
@@ -67,12 +77,13 @@ def ngram_steps(prompt_ids: Sequence[int], output_ids: Sequence[int], k: int = R
                 continue
             at = last[n].get(tuple(seq[pos - n:pos]))
             if at is not None:
+                drafted += min(k, pos - at)  # what followed it, as far as the context goes
                 while accepted < k and pos + accepted < end and at + accepted < pos and seq[at + accepted] == seq[pos + accepted]:
                     accepted += 1
                 break
         pos += accepted + 1
         steps += 1
-    return steps
+    return Replay(steps, drafted)
 
 
 def tokens_per_step(tokens: int, target_steps: int | None) -> float | None:
@@ -107,10 +118,11 @@ class _Mean:
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    """What the model expects of drafting for one request: its prompt's repetition and the tokens per target
-    step drafting would yield."""
+    """What the model expects of drafting for one request: its prompt's repetition, the tokens per target step
+    drafting would yield, and the tokens it would draft a target step (None: no request of its kind seen yet)."""
     repeat: float
     tokens_per_step: float
+    drafts_per_step: float | None = None
 
 
 class SpeculationModel:
@@ -120,6 +132,7 @@ class SpeculationModel:
     def __init__(self) -> None:
         self.k = REPLAY_K
         self._accept: dict[Kind, _Mean] = {}
+        self._drafted: dict[Kind, _Mean] = {}  # the tokens drafted a target step, by the same replays
         self._overall = _Mean()
         self._lock = threading.Lock()
 
@@ -137,22 +150,27 @@ class SpeculationModel:
 
     def estimate(self, prompt_ids: Sequence[int], task: str) -> Estimate:
         repeat = prompt_repeat(prompt_ids)
-        return Estimate(repeat, self.tokens_per_step(Kind.of(task, len(prompt_ids), repeat)))
+        kind = Kind.of(task, len(prompt_ids), repeat)
+        drafted = self._drafted.get(kind)
+        return Estimate(repeat, self.tokens_per_step(kind), drafted.value if drafted is not None else None)
 
     def observe(self, completed: Completed) -> None:
-        """Learn acceptance from the replay of any finished generation."""
+        """Learn acceptance and the tokens drafted from the replay of any finished generation."""
         if completed.outcome != "ok" or completed.scoring or completed.completion_tokens < 2:
             return
         f = completed.features
-        steps = ngram_steps(completed.prompt_ids, completed.output_ids, self.k)
-        tau = len(completed.output_ids) / max(steps, 1)
+        replay = ngram_replay(completed.prompt_ids, completed.output_ids, self.k)
+        steps = max(replay.steps, 1)
+        kind = Kind.of(f.task, f.prompt_tokens, f.prompt_repeat)
         with self._lock:
-            self._accept.setdefault(Kind.of(f.task, f.prompt_tokens, f.prompt_repeat), _Mean()).add(tau)
-            self._overall.add(tau)
+            self._accept.setdefault(kind, _Mean()).add(len(completed.output_ids) / steps)
+            self._drafted.setdefault(kind, _Mean()).add(replay.drafted / steps)
+            self._overall.add(len(completed.output_ids) / steps)
 
     def describe(self) -> dict:
-        """What ``/v1/modes`` shows: acceptance learned per kind."""
+        """What ``/v1/modes`` shows: acceptance and tokens drafted learned per kind."""
+        name = lambda k: f"{k.task}/2^{k.length}/repeat{k.repeat}"  # noqa: E731
         with self._lock:
-            return {"tokens_per_step": {f"{k.task}/2^{k.length}/repeat{k.repeat}": round(m.value, 3)
-                                        for k, m in self._accept.items()},
+            return {"tokens_per_step": {name(k): round(m.value, 3) for k, m in self._accept.items()},
+                    "drafts_per_step": {name(k): round(m.value, 3) for k, m in self._drafted.items()},
                     "overall_tokens_per_step": round(self._overall.value, 3), "requests": self._overall.count}

@@ -501,6 +501,7 @@ class Service:
             prefix_cache_batched=int(any(self.registry.modes[name].batch_slots > 1 for name in by_mode)),
             prompt_repeat=drafting.repeat,
             draft_tokens_per_step=drafting.tokens_per_step,
+            drafts_per_step=drafting.drafts_per_step,
             needs=tuple(sorted(params.needs)),
         )
         if "speculation_gain" not in self.controller.policy.tested_features:

@@ -381,6 +381,8 @@ def test_speculative_equals_greedy_with_acceptance_counted(vllm_server, int8_mod
     counted = spec["modeswitch"]["speculative"]
     assert counted["target_steps"] >= 1 and counted["target_steps"] + counted["accepted_draft_tokens"] == \
         spec["usage"]["completion_tokens"]
+    # the tokens drafted over its steps, as vLLM counts them: at least those accepted, at most the bound a step
+    assert counted["accepted_draft_tokens"] <= counted["draft_tokens"] <= 5 * counted["target_steps"]
     stats = mode_stats(vllm_server, drafting)
     assert stats["spec_tokens"] >= stats["spec_steps"] > 0
 

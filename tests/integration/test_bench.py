@@ -42,7 +42,7 @@ def test_the_changing_workload_has_its_phases_and_copying_prompts(tokenizer):
     """Each phase at its concurrency; the lulls alternate prompts to copy with prose; the shared-prefix questions
     share one document; a run's text is its own and the same for every server."""
     from modeswitch.bench.phases import phases
-    from modeswitch.controller.speculation import ngram_steps
+    from modeswitch.controller.speculation import ngram_replay
 
     lull, burst, shared, lull2 = phases(tokenizer, run=0)
     assert [p.name for p in (lull, burst, shared, lull2)] == ["lull", "burst", "shared_prefix", "lull2"]
@@ -51,7 +51,7 @@ def test_the_changing_workload_has_its_phases_and_copying_prompts(tokenizer):
     # a faithful answer to a copying prompt is drafted several tokens a step from the prompt itself
     quote = tokenizer.decode(lull.slots[0].prompt_ids).split("nothing:\n\n")[1].split("<|im_end|>")[0]
     answer = tokenizer(quote).input_ids
-    assert len(answer) / ngram_steps(lull.slots[0].prompt_ids, answer) > 3
+    assert len(answer) / ngram_replay(lull.slots[0].prompt_ids, answer).steps > 3
     assert all(len(s.prompt_ids) == 256 for s in burst.slots)
     document = [s.prompt_ids[:500] for s in shared.slots]
     assert all(d == document[0] for d in document) and len({tuple(s.prompt_ids) for s in shared.slots}) == 12

@@ -12,7 +12,7 @@ import requests
 
 from modeswitch.controller.completed import Completed
 from modeswitch.controller.costs import Binding, CostModel, stream_key
-from modeswitch.controller.curves import Curve, StreamCosts
+from modeswitch.controller.curves import MIN_FIT, Curve, StreamCosts
 from modeswitch.resources import DEFAULT_POLICY
 from modeswitch.testing.engine import Script
 from openai_checks import generating
@@ -859,3 +859,42 @@ def test_a_drafting_engine_that_delivers_less_of_the_predicted_gain_when_busy_is
     costs.install("m drafting", fresh)
     assert costs.predict("d", alone, tokens_per_step=3.0).decode_s == pytest.approx(15 * 0.04)
     assert StreamCosts.load(costs.stream("m drafting").dump()).draft_yield.at(8) == 0.0
+
+
+
+def test_a_drafting_step_is_priced_by_the_tokens_the_request_is_predicted_to_draft():
+    """Each drafted token is verified by the step, accepted or not: a drafting stream fits, per load, its finished
+    requests' steps against the tokens they were predicted to draft, and moves its curve along that line for a
+    request predicted to draft more or fewer. The curve as it is until a bucket has enough requests, or for a kind
+    of request whose drafts are not known yet; a calibration keeps the line (it is learned from live requests)."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"d": "e drafting"}, lanes={}, engines={"d": "e"}, slots={"d": 8},
+                       drafting=frozenset({"d"})))
+    costs.add_prefill("e drafting", 16, 0.05)
+
+    def done(drafts: float, seconds: float, load: float = 1.0) -> Completed:  # 21 tokens in 11 steps
+        f = feats(prompt_tokens=16, draft_tokens_per_step=2.0, drafts_per_step=drafts)
+        return Completed("d", f, "ok", 0.05, seconds * 10 / 20, 1.0, 16, 21, 1.0, "estimated", False, False,
+                         target_steps=11, loads_met={"d": load})
+
+    decode = lambda d, **kw: costs.predict("d", feats(max_tokens=11, drafts_per_step=d, **kw)).decode_s  # noqa: E731
+    for _ in range(MIN_FIT // 2 - 1):  # 20 ms a step, and 4 ms more per token drafted
+        costs.observe(done(0.5, 0.022))
+        costs.observe(done(4.5, 0.038))
+    assert decode(0.5) == decode(4.5) == pytest.approx(10 * 0.030)  # too few to read a slope from: the curve
+    costs.observe(done(0.5, 0.022))
+    costs.observe(done(4.5, 0.038))
+    assert decode(2.5) == pytest.approx(10 * 0.030)  # the bucket's mean drafts: its mean step
+    assert decode(0.5) == pytest.approx(10 * 0.022) and decode(5.0) == pytest.approx(10 * 0.040)
+    assert decode(None) == pytest.approx(10 * 0.030)  # a kind whose drafts are not known yet
+    # another load has a line of its own, not measured yet
+    for _ in range(3):
+        costs.observe(done(1.0, 0.050, load=8.0))
+    assert decode(0.5, in_flight_by_mode={"d": 7}) == pytest.approx(10 * 0.050)
+    # kept with the curves, read back, and kept by a calibration
+    fresh = StreamCosts.empty()
+    fresh.prefill.add(16, 0.05)
+    fresh.step.add(1, 0.030)
+    costs.install("e drafting", StreamCosts.load(costs.stream("e drafting").dump()))
+    costs.install("e drafting", fresh)
+    assert decode(0.5) == pytest.approx(10 * 0.022)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from modeswitch.controller.completed import Completed
-from modeswitch.controller.speculation import SpeculationModel, ngram_steps, prompt_repeat
+from modeswitch.controller.speculation import SpeculationModel, ngram_replay, prompt_repeat
 from modeswitch.testing.engine import Script
 from policy_text import feats, policy_from
 
@@ -17,18 +17,23 @@ PROSE = [200 + i for i in range(12)]  # a short prompt of another kind
 BATCH_FIRST = Path(__file__).resolve().parents[2] / "policies" / "batch-first.yaml"
 
 
-def test_replay_counts_the_steps_prompt_lookup_would_take():
+def test_replay_counts_the_steps_prompt_lookup_would_take_and_the_tokens_it_would_draft():
     # quoting the prompt: after the first two tokens of the quote, each step accepts k=5 and adds one
     quote = LIST[:30]
-    steps = ngram_steps(LIST, quote, k=5)
+    steps, drafted = ngram_replay(LIST, quote, k=5)
     assert steps <= 2 + -(-28 // 6) + 1
     assert steps < len(quote) / 3
-    # new text matches nothing: one token per step
+    assert (steps - 2) * 5 <= drafted <= steps * 5  # every step after the first two drafts its bound
+    # new text matches nothing: one token per step, nothing drafted
     novel = [900 + i for i in range(30)]
-    assert ngram_steps(LIST, novel) == len(novel)
+    assert ngram_replay(LIST, novel) == (len(novel), 0)
     # a draft that is wrong costs its step, and only the agreeing prefix counts
     edited = LIST[:10] + [999] + LIST[11:20]
-    assert len(edited) / ngram_steps(LIST, edited) < len(LIST[:20]) / ngram_steps(LIST, LIST[:20])
+    assert len(edited) / ngram_replay(LIST, edited).steps < len(LIST[:20]) / ngram_replay(LIST, LIST[:20]).steps
+    # text that matches the prompt's bigrams but goes on otherwise: one token a step, and after each of its ten
+    # bigrams a full proposal drafted for nothing
+    echo = [t for i in range(0, 20, 2) for t in (LIST[i], LIST[i + 1], 700 + i)]
+    assert ngram_replay(LIST, echo, k=5) == (len(echo), 10 * 5)
 
 
 def test_prompt_repeat_is_the_share_of_trigrams_seen_before():
@@ -58,6 +63,17 @@ def test_acceptance_is_learned_from_requests_no_speculative_mode_served():
     m.observe(done([7, 8, 9, 10], [500 + i for i in range(40)]))
     assert m.estimate([7, 8, 9, 10], "general").tokens_per_step == 1.0  # prose: nothing to copy
     assert m.estimate(LIST, "general").tokens_per_step == warm.tokens_per_step
+
+
+def test_the_tokens_drafted_a_step_are_learned_by_kind_from_the_same_replays():
+    m = SpeculationModel()
+    assert m.estimate(LIST, "general").drafts_per_step is None  # not seen: the engine's measured mean stands
+    m.observe(done(LIST, LIST[:30]))
+    replay = ngram_replay(LIST, LIST[:30], m.k)
+    assert m.estimate(LIST, "general").drafts_per_step == replay.drafted / replay.steps
+    m.observe(done([7, 8, 9, 10], [500 + i for i in range(40)]))  # prose: nothing matched, nothing drafted
+    assert m.estimate([7, 8, 9, 10], "general").drafts_per_step == 0.0
+    assert m.describe()["drafts_per_step"]["general/2^6/repeat0"] == round(replay.drafted / replay.steps, 3)
 
 
 def test_failed_scoring_and_one_token_requests_teach_nothing():

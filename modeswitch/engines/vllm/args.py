@@ -63,7 +63,9 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     """vLLM ``EngineArgs`` for one engine: what the caller chose (checkpoint, dtype, draft, its
     planned KV bytes and batch bound) plus what every engine here runs with: prefix caching on (modes
     without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging, and
-    the worker extension that reports what its linears run (:mod:`modeswitch.engines.vllm.probe`).
+    the worker extension that reports what its linears run (:mod:`modeswitch.engines.vllm.probe`); an engine that
+    drafts counts each request's drafted tokens (vLLM's per-request speculative metrics: what its steps verified,
+    which the cost model prices a drafting step by).
     """
     args: dict[str, Any] = dict(
         model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
@@ -74,6 +76,7 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     )
     if speculative_config is not None:
         args["speculative_config"] = speculative_config
+        args["per_request_spec_decode_metrics"] = "summary"
     # one process per engine, computing on ``cpus`` (see .plugin)
     args["additional_config"] = plugin.engine_config(cpus or [])
     return args

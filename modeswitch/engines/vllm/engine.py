@@ -366,7 +366,9 @@ class VllmRunner:
             with self._engine_lock:
                 del self._live[out.request_id]
             self.prefix.record(live.computed_ids())
-            live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason)
+            metrics = getattr(completion, "spec_decode_metrics", None)
+            live.front.finished(live, out.num_cached_tokens or 0, completion.finish_reason,
+                                metrics.num_draft_tokens if metrics is not None else None)
 
     def close(self) -> None:
         with self._engine_lock:
@@ -457,8 +459,9 @@ class VllmFront(Engine):
             structured_outputs=structured, output_kind=RequestOutputKind.DELTA, detokenize=False,
             skip_reading_prefix_cache=not self.prefix_cache, extra_args={drafting.DRAFT_TOKENS_KEY: self.draft_tokens})
 
-    def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None) -> None:
-        """Called by the runner's thread when vLLM reports the request finished."""
+    def finished(self, live: _Live, cached_tokens: int, finish_reason: str | None, drafted: int | None = None) -> None:
+        """Called by the runner's thread when vLLM reports the request finished; ``drafted``: the tokens drafted for
+        it over its steps, where its engine counts them."""
         c = self.counters
         c["requests"] += 1
         c["generated_tokens"] += live.generated
@@ -477,6 +480,8 @@ class VllmFront(Engine):
             c["spec_steps"] += live.steps
             c["spec_tokens"] += live.generated
             info["speculative"] = {"target_steps": live.steps, "accepted_draft_tokens": live.generated - live.steps}
+            if drafted is not None:
+                info["speculative"]["draft_tokens"] = drafted
         live.req.emit("done", **info)
 
     def stats(self) -> dict[str, Any]:
