@@ -35,6 +35,7 @@ from modeswitch.bench.report import processor, save_results  # noqa: E402
 from modeswitch.compose import build_app  # noqa: E402
 from modeswitch.config import LoadConfig, ServerConfig  # noqa: E402
 from modeswitch.controller.costs import Prediction  # noqa: E402
+from modeswitch.controller.curves import MIN_FIT  # noqa: E402
 from modeswitch.controller.features import Features  # noqa: E402
 from modeswitch.modes import load_modes  # noqa: E402
 from modeswitch.resources import DEFAULT_POLICY  # noqa: E402
@@ -52,6 +53,10 @@ LAYOUT = {"fp16": ("fp16", 0), "continuous_batching": ("fp16", 0), "prefix_cache
 
 #: each engine's measured costs over the reference weights' (a drafting stream's steps cost half as much again)
 SLOWER = {"int8": 2.0, "gptq": 3.0}
+#: the tokens a drafting stream's measured requests were predicted to draft a step (its steps' line against them has
+#: a slope at every load), and what one more costs a step
+DRAFTS = (0.5, 3.5) * (MIN_FIT // 2)
+PER_DRAFT_S = 0.002
 
 
 def build(tmp: Path):
@@ -72,7 +77,9 @@ def build(tmp: Path):
         for tokens in (16, 64, 256, 1024):
             costs.add_prefill(stream, tokens, scale * 0.0004 * tokens)
         for load in (1, 2, 4, 8, 16):
-            costs.add_step(stream, load, scale * (0.030 + 0.004 * load))
+            for drafts in DRAFTS if stream.endswith("drafting") else (None,):
+                extra = 0.0 if drafts is None else PER_DRAFT_S * (drafts - sum(DRAFTS) / len(DRAFTS))
+                costs.add_step(stream, load, scale * (0.030 + 0.004 * load) + extra, drafts)
         costs.add_service(stream, scale * 2.0)
     return server
 
@@ -92,7 +99,7 @@ def requests_in_flight(modes: list[str], n: int) -> list[Features]:
             in_flight_by_mode=in_flight, prefilling_by_mode={m: 64 for m in modes[:: 3]},
             decode_overlap_by_mode={m: count * (0.25 + (i + j) % 4 / 4)
                                     for j, (m, count) in enumerate(in_flight.items())},
-            prompt_repeat=0.3, draft_tokens_per_step=1.0 + (i % 3) / 2))
+            prompt_repeat=0.3, draft_tokens_per_step=1.0 + (i % 3) / 2, drafts_per_step=(i % 4) * 1.2))
     return out
 
 

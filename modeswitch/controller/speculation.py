@@ -12,8 +12,8 @@ every completed request teaches the model, not only the speculative ones, and no
 mode just to find out. The prediction for a new request is the running mean over earlier requests of its kind:
 its task family, its prompt length (log2 buckets) and how repetitive its prompt is (the share of its last 256
 tokens' trigrams seen earlier in them: lists, code and tables repeat their own structure); a kind not seen yet is
-predicted to gain nothing (and to draft what the engine measured its drafting requests to draft). Computing the kind
-costs a few microseconds.
+predicted to gain nothing (and its drafting step is priced at what its engine's drafting requests cost on the
+whole). Computing the kind costs a few microseconds.
 """
 
 from __future__ import annotations
