@@ -114,6 +114,7 @@ def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
     assert first["modeswitch"]["mode"] == "int8+prefix_cache", first["modeswitch"]["reason"]
     assert first["modeswitch"]["features_us"] > 0
     assert first["modeswitch"]["features"]["draft_tokens_per_step"] == 1.0
+    assert first["modeswitch"]["features"]["drafts_per_step"] is None  # its kind not seen yet
     assert app.modes()["int8+speculative"]["status"] == "available"
     assert app.get("/v1/modes").get_json()["speculation"]["requests"] == 1
     # requests of a kind whose answers quoted their prompts: drafting is predicted to pay, and is chosen
@@ -122,6 +123,7 @@ def test_the_server_learns_and_routes_copying_requests_to_drafting(make_app):
     quoted = app.complete(LIST, max_tokens=24)["modeswitch"]
     assert quoted["mode"] == "int8+speculative", quoted["reason"]
     assert quoted["features"]["speculation_gain"] >= 1.1 and "speculate-when-it-pays" in quoted["reason"]
+    assert quoted["features"]["drafts_per_step"] > 3  # a quote drafts its bound nearly every step
     prose = app.complete(PROSE, max_tokens=24)["modeswitch"]
     assert prose["mode"] == "int8+prefix_cache", prose["reason"]
     assert prose["features"]["draft_tokens_per_step"] < 1.5
