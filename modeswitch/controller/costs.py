@@ -504,12 +504,16 @@ class CostModel:
         return best
 
     def describe(self) -> dict[str, Any]:
-        """What ``/v1/modes`` shows: per stream its curves with the samples behind each point, the key they are
-        kept under, and which streams no mode on them needs because another lane is faster at every load."""
+        """What ``/v1/modes`` shows: per stream its curves with the samples behind each point (and a drafting stream's
+        seconds a step per predicted draft, by load), the key they are kept under, and which streams no mode on them
+        needs because another lane is faster at every load."""
         b = self.binding
         with self._lock:
             out = {stream: {**costs.dump(), "key": (b.keys or {}).get(stream, "")}
                    for stream, costs in sorted(self._streams.items()) if stream in set(b.streams.values())}
+            for stream, costs in self._streams.items():
+                if stream in out and costs.verify.buckets:
+                    out[stream]["step_s_per_draft_by_engine_load"] = costs.verify.slopes()
         for stream in self.idle_by_measurement():
             out[stream]["idle_by_measurement"] = True
         return {"calibration": self.calibration, "streams": out, "modes": dict(b.streams),

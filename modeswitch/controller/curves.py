@@ -172,6 +172,14 @@ class DraftFit:
         slope = fit.slope() if fit is not None else None
         return seconds if slope is None else max(seconds + slope * (drafts - fit.d), 0.0)
 
+    def slopes(self) -> list[list[float | None]]:
+        """Its buckets as ``[load, seconds a step per drafted token (None: not known yet), samples]``."""
+        out = []
+        for _, m in sorted(self.buckets.items()):
+            slope = m.slope()
+            out.append([round(m.load, 2), None if slope is None else round(slope, 6), m.n])
+        return out
+
     def dump(self) -> list[list[float]]:
         """Its buckets as ``[load, drafts, seconds, drafts squared, drafts x seconds, samples]`` (running means)."""
         return [[round(m.load, 2), round(m.d, 4), round(m.s, 6), round(m.dd, 4), round(m.ds, 6), m.n]

@@ -887,10 +887,13 @@ def test_a_drafting_step_is_priced_by_the_tokens_the_request_is_predicted_to_dra
     assert decode(2.5) == pytest.approx(10 * 0.030)  # the bucket's mean drafts: its mean step
     assert decode(0.5) == pytest.approx(10 * 0.022) and decode(5.0) == pytest.approx(10 * 0.040)
     assert decode(None) == pytest.approx(10 * 0.030)  # a kind whose drafts are not known yet
+    shown = costs.describe()["streams"]["e drafting"]["step_s_per_draft_by_engine_load"]
+    assert shown[0][0] == 1.0 and shown[0][1] == pytest.approx(0.004) and shown[0][2] == MIN_FIT
     # another load has a line of its own, not measured yet
     for _ in range(3):
         costs.observe(done(1.0, 0.050, load=8.0))
     assert decode(0.5, in_flight_by_mode={"d": 7}) == pytest.approx(10 * 0.050)
+    assert costs.describe()["streams"]["e drafting"]["step_s_per_draft_by_engine_load"][1] == [8.0, None, 3]
     # kept with the curves, read back, and kept by a calibration
     fresh = StreamCosts.empty()
     fresh.prefill.add(16, 0.05)
