@@ -281,7 +281,8 @@ def main() -> int:
 
 PHASES = ("lull", "burst", "shared_prefix", "lull2", "overall")
 #: what a saved record keeps of the features a ModeSwitch server decided on
-KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "speculation_gain",
+KEPT_FEATURES = ("prompt_tokens", "queue_depth", "prompt_repeat", "draft_tokens_per_step", "drafts_per_step",
+                 "speculation_gain",
                  "in_flight_by_mode", "prefilling_by_mode", "decode_overlap_by_mode")
 
 

@@ -55,7 +55,7 @@ LAYOUT = {"fp16": ("fp16", 0), "continuous_batching": ("fp16", 0), "prefix_cache
 SLOWER = {"int8": 2.0, "gptq": 3.0}
 #: the tokens a drafting stream's measured requests were predicted to draft a step (its steps' line against them has
 #: a slope at every load), and what one more costs a step
-DRAFTS = (0.5, 3.5) * (MIN_FIT // 2)
+DRAFTS = (0.5, 3.5) * (MIN_FIT // 2 + 1)  # a stream's first step has no curve yet to be fitted over
 PER_DRAFT_S = 0.002
 
 

@@ -37,8 +37,8 @@ replays drafting at its full bound) times the share of that gain the engine's dr
 busy, as the vLLM engines' drafting budget does on a CPU, delivers less of it there; all of it until measured);
 a drafting stream's ``step_e`` is moved by the tokens the request is predicted to draft a step (each one verified,
 accepted or not: on a CPU a step that verifies five drafts costs more than one that verifies none) along a line
-fitted per load bucket to its finished requests' steps against their predicted drafts (``verify``,
-:class:`~.curves.DraftFit`; the curve as it is until a bucket has its slope);
+fitted per load bucket to its finished requests' steps, over the curve at their load, against their predicted
+drafts (``verify``, :class:`~.curves.DraftFit`; the curve as it is until a bucket has its slope);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
@@ -294,12 +294,13 @@ class CostModel:
 
     def add_step(self, stream: str, lane_load: float, seconds: float, drafts: float | None = None) -> None:
         """A step's seconds at a load; ``drafts``: the tokens its request was predicted to draft a step (a drafting
-        stream's)."""
+        stream's: what the step cost over the curve at its load is fitted against first)."""
         costs = self.stream(stream)
+        load = max(lane_load, 1)
         with self._lock:
-            costs.step.add(max(lane_load, 1), seconds)
-            if drafts is not None:
-                costs.verify.add(max(lane_load, 1), drafts, seconds)
+            if drafts is not None and costs.step.measured:
+                costs.verify.add(load, drafts, seconds - costs.step.at(load))
+            costs.step.add(load, seconds)
             self._find_idle()
 
     def add_service(self, stream: str, seconds: float) -> None:

@@ -121,7 +121,7 @@ MIN_FIT = 8
 
 
 class _Moments:
-    """One load bucket's running means of a drafting step's (drafts, seconds), their squares and product, weighing
+    """One load bucket's running means of (drafts, seconds over the step curve), their squares and product, weighing
     recent samples more once it has many (as :class:`_Point`)."""
 
     __slots__ = ("load", "d", "s", "dd", "ds", "n")
@@ -140,37 +140,40 @@ class _Moments:
         self.ds += (d * s - self.ds) * w
 
     def slope(self) -> float | None:
-        """Seconds a step per drafted token, by least squares over the bucket's requests; None with fewer than
-        :data:`MIN_FIT` of them, drafts that barely vary, or a line that would cost nothing at no drafts."""
+        """Seconds a step per drafted token, by least squares over the bucket's requests (never below 0); None with
+        fewer than :data:`MIN_FIT` of them or drafts that barely vary."""
         var = self.dd - self.d * self.d
         if self.n < MIN_FIT or var <= 1e-6:
             return None
-        slope = max((self.ds - self.d * self.s) / var, 0.0)
-        return slope if self.s - slope * self.d > 0 else None
+        return max((self.ds - self.d * self.s) / var, 0.0)
 
 
 class DraftFit:
     """What a drafting stream's step costs by the tokens its request drafts: each drafted token is verified by the
     step, accepted or not, so on a CPU a step that verifies five costs more than one that verifies none. Per log2
-    bucket of the engine load, a least-squares line of the step's seconds against the tokens the request was
-    predicted to draft a step (``Features.drafts_per_step``: what a prediction knows of a request; the engine drafts
-    fewer than the replay proposes, and the line's slope at a load takes that in). :meth:`step` moves the step
-    curve's seconds at a load along its bucket's line, from the drafts the bucket's requests were predicted to
-    draft to this request's."""
+    bucket of the engine load, a least-squares line of a step's seconds over the step curve's at the load it was
+    measured at (a bucket spans loads 1-1.99, 2-3.99, ...: against the seconds themselves, requests that met more
+    load would read as drafting less or more) against the tokens its request was predicted to draft a step
+    (``Features.drafts_per_step``: what a prediction knows of a request; the engine drafts fewer than the replay
+    proposes, and the slope takes that in). :meth:`step` moves the step curve's seconds at a load along its
+    bucket's slope, from the drafts the bucket's requests were predicted to draft to this request's."""
 
     def __init__(self) -> None:
         self.buckets: dict[int, _Moments] = {}
 
-    def add(self, load: float, drafts: float, seconds: float) -> None:
-        if seconds >= 0 and math.isfinite(seconds) and drafts >= 0:
-            self.buckets.setdefault(bucket(load), _Moments()).add(float(load), float(drafts), float(seconds))
+    def add(self, load: float, drafts: float, excess: float) -> None:
+        """A request's step: its predicted drafts, and its seconds less the step curve's at ``load``."""
+        if math.isfinite(excess) and drafts >= 0:
+            self.buckets.setdefault(bucket(load), _Moments()).add(float(load), float(drafts), float(excess))
 
     def step(self, seconds: float, load: float, drafts: float) -> float:
         """``seconds`` (the step curve's at ``load``) for a request predicted to draft ``drafts`` a step; as it is
-        while the bucket's slope is not known."""
+        while the bucket's slope is not known, or where the slope would leave nothing of a step drafting nothing."""
         fit = self.buckets.get(bucket(load))
         slope = fit.slope() if fit is not None else None
-        return seconds if slope is None else max(seconds + slope * (drafts - fit.d), 0.0)
+        if slope is None or seconds - slope * fit.d <= 0:
+            return seconds
+        return seconds + slope * (drafts - fit.d)
 
     def slopes(self) -> list[list[float | None]]:
         """Its buckets as ``[load, seconds a step per drafted token (None: not known yet), samples]``."""
@@ -181,7 +184,8 @@ class DraftFit:
         return out
 
     def dump(self) -> list[list[float]]:
-        """Its buckets as ``[load, drafts, seconds, drafts squared, drafts x seconds, samples]`` (running means)."""
+        """Its buckets as ``[load, drafts, excess, drafts squared, drafts x excess, samples]`` (running means; excess:
+        a step's seconds over the step curve's)."""
         return [[round(m.load, 2), round(m.d, 4), round(m.s, 6), round(m.dd, 4), round(m.ds, 6), m.n]
                 for _, m in sorted(self.buckets.items())]
 
@@ -223,7 +227,7 @@ class StreamCosts:
         if self.draft_yield.measured:
             out["draft_yield_by_engine_load"] = self.draft_yield.dump()
         if self.verify.buckets:
-            out["step_s_by_predicted_drafts"] = self.verify.dump()
+            out["step_excess_s_by_predicted_drafts"] = self.verify.dump()
         return out
 
     @classmethod
@@ -232,5 +236,5 @@ class StreamCosts:
         return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
                    _Point(0.0, float(service[0]), int(service[1])),
                    Curve.load(data.get("draft_yield_by_engine_load", ())),
-                   DraftFit.load(data.get("step_s_by_predicted_drafts", ())))
+                   DraftFit.load(data.get("step_excess_s_by_predicted_drafts", ())))
 
