@@ -510,11 +510,10 @@ class CostModel:
         needs because another lane is faster at every load."""
         b = self.binding
         with self._lock:
-            out = {stream: {**costs.dump(), "key": (b.keys or {}).get(stream, "")}
+            out = {stream: {**costs.dump(), "key": (b.keys or {}).get(stream, ""),
+                            **({"step_s_per_draft_by_engine_load": costs.verify.slopes()} if costs.verify.buckets
+                               else {})}
                    for stream, costs in sorted(self._streams.items()) if stream in set(b.streams.values())}
-            for stream, costs in self._streams.items():
-                if stream in out and costs.verify.buckets:
-                    out[stream]["step_s_per_draft_by_engine_load"] = costs.verify.slopes()
         for stream in self.idle_by_measurement():
             out[stream]["idle_by_measurement"] = True
         return {"calibration": self.calibration, "streams": out, "modes": dict(b.streams),

@@ -161,11 +161,12 @@ class SpeculationModel:
         f = completed.features
         replay = ngram_replay(completed.prompt_ids, completed.output_ids, self.k)
         steps = max(replay.steps, 1)
+        tau = len(completed.output_ids) / steps
         kind = Kind.of(f.task, f.prompt_tokens, f.prompt_repeat)
         with self._lock:
-            self._accept.setdefault(kind, _Mean()).add(len(completed.output_ids) / steps)
+            self._accept.setdefault(kind, _Mean()).add(tau)
             self._drafted.setdefault(kind, _Mean()).add(replay.drafted / steps)
-            self._overall.add(len(completed.output_ids) / steps)
+            self._overall.add(tau)
 
     def describe(self) -> dict:
         """What ``/v1/modes`` shows: acceptance and tokens drafted learned per kind."""

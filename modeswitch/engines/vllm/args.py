@@ -65,7 +65,7 @@ def engine_args(model: str, tokenizer: str, dtype: str, max_model_len: int, kv_b
     without it skip reading it per request), explicit KV sizing, a fixed seed, no periodic stats logging, and
     the worker extension that reports what its linears run (:mod:`modeswitch.engines.vllm.probe`); an engine that
     drafts counts each request's drafted tokens (vLLM's per-request speculative metrics: what its steps verified,
-    which the cost model prices a drafting step by).
+    accepted or not), which the response reports.
     """
     args: dict[str, Any] = dict(
         model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
