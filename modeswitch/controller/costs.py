@@ -16,8 +16,9 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
 Both are measured where the server runs: by the engine's calibration at start (``serving.calibrate``: a few
 pinned requests per stream, behind the first requests) and then by every finished request, in log2 buckets of
 the size, each a decaying mean of (size, seconds) so that a bucket follows a machine whose speed changes (:mod:`.curves`).
-A curve is read by linear interpolation between the buckets it has measured (flat before the first, on the last
-two buckets' slope after the last): nothing in a prediction is a constant that this machine did not measure.
+A curve is read by linear interpolation between the buckets it has measured (on the last two buckets' slope after
+the last, and on the first's slope to a bucket of twice its size before the first: :meth:`.Curve.at`): nothing in a
+prediction is a constant that this machine did not measure.
 
 A request ``r`` on mode ``m`` of engine ``e`` running ``n`` requests, on a lane running ``b`` requests (``e``'s
 and other engines'), ``q`` prompt tokens of them not computed yet, is predicted to take
@@ -524,11 +525,11 @@ class CostModel:
         engine measured here (this machine, model and engine family, in this file: a run before this one) with
         the kernels it ran, fastest first; what an engine layout and a staged start's first engine may follow
         before the engines start (``compose``). Over the loads, not at one request: the finished requests move
-        a bucket's mean load (1.7 requests in the first, say), and a curve reads flat below its first bucket, so
-        one request's step alone would compare one engine at 1.7 requests with another at 1. ``backend`` is the
-        engine family serving them, alone or beside a fallback (``vllm`` matches ``vllm+transformers``); a
-        stream the fallback's engine measured (its kernels card names that engine: GPTQ on transformers on an
-        AVX2 CPU) is not one of the family's, whose layout this orders."""
+        a bucket's mean load (1.7 requests in the first, say), below which a curve is extended, not measured, so
+        one request's step alone would compare an estimate for one engine with another's measurement.
+        ``backend`` is the engine family serving them, alone or beside a fallback (``vllm`` matches
+        ``vllm+transformers``); a stream the fallback's engine measured (its kernels card names that engine: GPTQ
+        on transformers on an AVX2 CPU) is not one of the family's, whose layout this orders."""
         kinds, out = set(weights), {}
         for key, data in self._saved.items():
             try:

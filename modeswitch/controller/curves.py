@@ -64,8 +64,9 @@ class Curve:
         return bool(self._xy[0])
 
     def at(self, size: float) -> float | None:
-        """The seconds at ``size``: interpolated between the measured buckets around it, flat below the first,
-        extended on the slope of the last two above the last (flat with one); None when nothing is measured.
+        """The seconds at ``size``: interpolated between the measured buckets around it, extended on the slope of the
+        last two above the last and below the first on its slope to the first bucket of at least twice its size
+        (:meth:`_below`); flat with one; None when nothing is measured.
         A decision reads the same few sizes (loads, prompt lengths) of a curve again and again until the next
         sample changes it: each is interpolated once."""
         xs, ys, read = self._xy
@@ -80,7 +81,7 @@ class Curve:
     def _interpolate(xs: list[float], ys: list[float], size: float) -> float:
         i = bisect.bisect_left(xs, size)
         if i == 0:
-            return ys[0]
+            return ys[0] if size >= xs[0] else Curve._below(xs, ys, size)
         if i == len(xs):
             if i == 1:
                 return ys[0]
@@ -89,6 +90,20 @@ class Curve:
             return ys[i] + max(slope, 0.0) * (size - xs[i])
         x0, x1 = xs[i - 1], xs[i]
         return ys[i - 1] + (ys[i] - ys[i - 1]) * (size - x0) / (x1 - x0) if x1 > x0 else ys[i]
+
+    @staticmethod
+    def _below(xs: list[float], ys: list[float], size: float) -> float:
+        """Below the first bucket: its mean size is that of what it measured (a step bucket spans 1-1.99 requests, and
+        one that mostly measured requests beside others means 1.4 or more), so a lone request read there flat would
+        be priced at the load of others. Extended down on the slope to the first bucket of at least twice its size
+        (two buckets' means may lie close, and their noise then makes a steep slope), never rising, and never below
+        the first bucket's seconds in proportion to size (a cost whose fixed part is not negative is not); flat
+        where no bucket is that far."""
+        j = bisect.bisect_left(xs, 2 * xs[0])
+        if j == len(xs) or xs[0] <= 0:
+            return ys[0]
+        slope = max((ys[j] - ys[0]) / (xs[j] - xs[0]), 0.0)
+        return max(ys[0] - slope * (xs[0] - size), ys[0] * max(size, 0.0) / xs[0])
 
     def slope(self) -> float | None:
         """Seconds per unit of size from its first measured bucket to its last (what one more token of a prompt

@@ -41,7 +41,7 @@ from .registry import ModeRegistry, ModeState
 
 log = logging.getLogger(__name__)
 
-#: prompt lengths whose prefill is timed (the curve is interpolated between them, flat below the first)
+#: prompt lengths whose prefill is timed (the curve is interpolated between them)
 PROMPT_TOKENS = (16, 64, 256, 1024)
 #: requests run together on an engine to time its step (capped by what it batches)
 #: tokens each step-timing request generates

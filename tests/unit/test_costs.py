@@ -28,13 +28,35 @@ def test_a_curve_interpolates_between_measured_buckets_and_extends_the_last_slop
     assert curve.at(1) == curve.at(100) == pytest.approx(0.010)  # one point: flat
     curve.add(4, 0.016)
     assert curve.at(2) == pytest.approx(0.012)  # a third of the way from 1 to 4
-    assert curve.at(0.5) == pytest.approx(0.010)  # flat below the first
+    assert curve.at(0.5) == pytest.approx(0.010 - 0.002 * 0.5)  # the first slope below the first
     assert curve.at(8) == pytest.approx(0.016 + 0.002 * 4)  # the last slope beyond the last
     assert curve.samples(4) == 1 and curve.samples(16) == 0
     assert curve.at(5) == pytest.approx(0.018)  # read once before the samples below: a sample changes what is read
     for _ in range(200):  # a bucket follows its recent samples
         curve.add(5, 0.050)
     assert curve.at(5) == pytest.approx(0.050, rel=0.01)
+
+
+def test_below_its_first_bucket_a_curve_follows_the_slope_to_a_bucket_twice_its_size_never_to_nothing():
+    """A step bucket whose requests mostly ran beside others means more than one request: a lone request is read
+    below it. The slope is taken to a bucket at least twice as large (two close means make a steep, noisy slope),
+    and never takes a cost below the first bucket's in proportion to size."""
+    curve = Curve()
+    for load, seconds in ((1.4, 0.030), (2.1, 0.040), (4.5, 0.046)):  # a noisy pair: 14 ms a request between them
+        curve.add(load, seconds)
+    assert curve.at(1) == pytest.approx(0.030 - (0.046 - 0.030) / (4.5 - 1.4) * 0.4)  # 2.1 is not twice 1.4
+    steep = Curve()
+    steep.add(10, 0.010)
+    steep.add(20, 0.100)
+    assert steep.at(5) == pytest.approx(0.005)  # the slope would leave less than half at half the size
+    falling = Curve()
+    falling.add(1.5, 0.030)
+    falling.add(4, 0.020)
+    assert falling.at(1) == pytest.approx(0.030)  # never rising toward smaller sizes
+    lone = Curve()
+    lone.add(1.5, 0.030)
+    lone.add(2.5, 0.050)
+    assert lone.at(1) == pytest.approx(0.030)  # no bucket twice its size: flat
 
 
 def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves():
