@@ -97,8 +97,8 @@ class Curve:
         one that mostly measured requests beside others means 1.4 or more), so a lone request read there flat would
         be priced at the load of others. Extended down on the slope to the first bucket of at least twice its size
         (two buckets' means may lie close, and their noise then makes a steep slope), never rising, and never below
-        the first bucket's seconds in proportion to size (a cost whose fixed part is not negative is not); flat
-        where no bucket is that far."""
+        the first bucket's seconds scaled down in proportion to size (no cost with a fixed part of zero or more
+        is); flat where no bucket is that far."""
         j = bisect.bisect_left(xs, 2 * xs[0])
         if j == len(xs) or xs[0] <= 0:
             return ys[0]
