@@ -2,11 +2,16 @@
 
 Every engine keeps two curves per *stream* (its plain requests, and apart from them its drafting requests):
 
-- ``prefill``: seconds to the first token against the prompt tokens computed before it: its own (the prompt
-  less what the mode's prefix cache holds) and those of the requests on the lane still waiting for their first
-  token (a burst's prompts are computed one after another, and the last one waits for them all); for a finished
-  request on an engine that counts them (``Completed.prefilled_tokens``), those its engine computed until its
-  first token, the prompts that arrived after it and joined its step included;
+- ``prefill``: seconds to the first token against the prompt tokens computed before it, for a request that found
+  its engine idle: its own (the prompt less what the mode's prefix cache holds) and those of the requests on the
+  lane still waiting for their first token (a burst's prompts are computed one after another, and the last one
+  waits for them all); for a finished request on an engine that counts them (``Completed.prefilled_tokens``), those
+  its engine computed until its first token, the prompts that arrived after it and joined its step included;
+- ``join``: what a first token took over that, against the requests running on the engine when it arrived (within
+  its batch): a prompt that finds its engine busy waits for the step in flight (on vLLM for the one scheduled
+  after it too), and its own step carries the others' decodes. One curve for both would price a prompt on an idle
+  engine at a busy one's (on the AVX2 EPYC's int8 engine, such a curve predicted 0.126 s for a 40-token prompt that
+  took 0.097 s on an idle engine; with one request running, prompts took 0.05-0.08 s more than it predicted);
 - ``step``: seconds per target step against the requests running on the engine, this request included (for a
   finished request, their mean number from its first token to its end: ``Completed.loads_met``, its time less
   the prompts its engine computed meanwhile at the prefill curve's slope: they are charged to the requests that
@@ -23,7 +28,7 @@ prediction is a constant that this machine did not measure.
 A request ``r`` on mode ``m`` of engine ``e`` running ``n`` requests, on a lane running ``b`` requests (``e``'s
 and other engines'), ``q`` prompt tokens of them not computed yet, is predicted to take
 
-    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + steps(r) x (step_e(1 + o_e) + beside_e)
+    own(r, m)   = wait_e + prefill_e(q + unmatched prompt) + join_e(n) + steps(r) x (step_e(1 + o_e) + beside_e)
     delay(r, m) = b x (prefill_e(q + unmatched) - prefill_e(q)) + o x steps(r) x (step_e(n + 1) - step_e(n))
 
 where ``o_e`` counts the requests running on ``e`` by the share of ``r``'s tokens each may still generate beside
@@ -40,6 +45,7 @@ a drafting stream's ``step_e`` is moved by the tokens the request is predicted t
 accepted or not: on a CPU a step that verifies five drafts costs more than one that verifies none) along a line
 fitted per load bucket to its finished requests' steps, over the curve at their load, against their predicted
 drafts (``verify``, :class:`~.curves.DraftFit`; the curve as it is until a bucket has its slope);
+``join_e(0)`` is 0 (and never below 0: a busy engine does not compute a prompt sooner than an idle one);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
@@ -276,22 +282,32 @@ class CostModel:
 
     def install(self, stream: str, costs: StreamCosts) -> None:
         """Replace ``stream``'s curves with a calibration's, measured whole before they count (what its drafting
-        delivered, and what a step costs by the drafts, are learned from live requests only: kept)."""
+        delivered, what a step costs by the drafts and what a prompt waits on a busy engine are learned from live
+        requests only: kept)."""
         with self._lock:
             old = self._streams.get(stream)
             if old is not None and not costs.draft_yield.measured:
                 costs.draft_yield = old.draft_yield
             if old is not None and not costs.verify.buckets:
                 costs.verify = old.verify
+            if old is not None and not costs.join.measured:
+                costs.join = old.join
             self._streams[stream] = costs
             self._stale.discard(stream)
             self._measured_at[stream] = time.monotonic()
             self._find_idle()
 
-    def add_prefill(self, stream: str, tokens: int, seconds: float) -> None:
+    def add_prefill(self, stream: str, tokens: int, seconds: float, engine_load: int = 0) -> None:
+        """A first token's seconds after ``tokens`` prompt tokens computed, on an engine running ``engine_load``
+        requests when it arrived: on an idle one the prefill curve's, on a busy one what it took over that curve
+        (``join``, once the prefill curve has measured something to take it over)."""
         costs = self.stream(stream)
+        tokens = max(tokens, 1)
         with self._lock:
-            costs.prefill.add(max(tokens, 1), seconds)
+            if not engine_load:
+                costs.prefill.add(tokens, seconds)
+            elif costs.prefill.measured:
+                costs.join.add(engine_load, seconds - costs.prefill.at(tokens))
 
     def add_step(self, stream: str, lane_load: float, seconds: float, drafts: float | None = None) -> None:
         """A step's seconds at a load; ``drafts``: the tokens its request was predicted to draft a step (a drafting
@@ -346,7 +362,11 @@ class CostModel:
                 - f.prefix_match_by_mode.get(completed.mode, 0)
         else:  # what its engine computed until its first token, and what the lane's other engines had still to
             computed = prefilled[0] + self.engine_load(completed.mode, f.prefilling_by_mode)[1]
-        self.add_prefill(stream, computed, completed.ttft_s)
+        # the requests on its engine when it arrived: beyond its batch it waited for a slot (``wait``, predicted from
+        # the service time), which says nothing of a prefill
+        running = self.engine_load(completed.mode, f.in_flight_by_mode)[0]
+        if running < b.slots.get(completed.mode, 1):
+            self.add_prefill(stream, computed, completed.ttft_s, running)
         self.add_service(stream, completed.latency_s)
         if completed.tpot_s is None or completed.loads_met is None:
             return
@@ -469,7 +489,10 @@ class CostModel:
             # what the lane's requests wait for without it: the prompts queued, or on a busy engine its next step,
             # which they would take all the same
             without = (costs.prefill.at(ahead) if ahead else at_mine) if lane_load else 0.0
-            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, without)
+            # on a busy engine its prompt waits for the step in flight too (never less than on an idle one)
+            joins = max(costs.join.at(mine) or 0.0, 0.0) if 0 < mine < slots else 0.0
+            return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, without,
+                    joins)
 
         def predict(mode: str) -> Prediction | None:
             place = modes.get(mode) or ("", "", mode, 1, False)
@@ -483,10 +506,12 @@ class CostModel:
             if terms is None:
                 known[key] = None
                 return None
-            prefill_at, lane_load, ahead, steps, decode, wait, slowed, without = terms
+            prefill_at, lane_load, ahead, steps, decode, wait, slowed, without, joins = terms
             prefill = prefill_at(ahead + key[1])
-            # its prompt stalls every request on the lane; each of its steps lengthens theirs, while they run
+            # its prompt stalls every request on the lane (by its computing, not by its waiting for their step); each
+            # of its steps lengthens theirs, while they run
             delay = lane_load * max(prefill - without, 0.0) + slowed if lane_load else 0.0
+            prefill += joins
             known[key] = prediction = Prediction(wait + prefill + decode, delay, wait, prefill, decode)
             return prediction
 
@@ -582,7 +607,7 @@ class CostModel:
 
 
 #: what the curves mean (their sizes and seconds): a saved measurement of another version is not read
-CURVES_VERSION = 6
+CURVES_VERSION = 7
 
 
 def stream_key(machine: str, model: str, backend: str, stream: str, details: Mapping[str, Any]) -> str:

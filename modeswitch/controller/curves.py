@@ -40,9 +40,12 @@ MAX_READS = 1024
 
 
 class Curve:
-    """Seconds against a size, in log2 buckets; :meth:`at` interpolates between the measured ones."""
+    """Seconds against a size, in log2 buckets; :meth:`at` interpolates between the measured ones. ``signed``: its
+    samples are differences (seconds over another curve's) and keep their sign: noise below that curve is averaged
+    in, not dropped, so the mean is not biased up."""
 
-    def __init__(self) -> None:
+    def __init__(self, signed: bool = False) -> None:
+        self.signed = signed
         self._points: dict[int, _Point] = {}
         #: the measured buckets' mean sizes, ascending, their mean seconds, and the values read from them so far:
         #: one tuple, replaced whole, so a reader on another thread never sees the sizes of one update with the
@@ -50,7 +53,7 @@ class Curve:
         self._xy: tuple[list[float], list[float], dict[float, float]] = ([], [], {})
 
     def add(self, size: float, seconds: float) -> None:
-        if seconds < 0 or not math.isfinite(seconds):
+        if not math.isfinite(seconds) or (seconds < 0 and not self.signed):
             return
         self._points.setdefault(bucket(size), _Point()).add(float(size), float(seconds))
         self._index()
@@ -122,8 +125,8 @@ class Curve:
         return [[round(p.x, 2), round(p.y, 6), p.n] for _, p in sorted(self._points.items())]
 
     @classmethod
-    def load(cls, rows: Iterable[Iterable[float]]) -> "Curve":
-        curve = cls()
+    def load(cls, rows: Iterable[Iterable[float]], signed: bool = False) -> "Curve":
+        curve = cls(signed)
         for x, y, n in rows:
             curve._points[bucket(x)] = _Point(float(x), float(y), int(n))
         curve._index()
@@ -227,6 +230,10 @@ class StreamCosts:
     #: a drafting stream's: per engine load, its step's seconds against the tokens its requests were predicted to
     #: draft a step (empty for a plain stream)
     verify: DraftFit = field(default_factory=DraftFit)
+    #: seconds a prompt's first token takes over the prefill curve's for the tokens computed, against the requests
+    #: in flight on the engine when it arrived (none: what ``prefill`` measures): it waits for the step in flight
+    #: and, on an engine that schedules its next step ahead, for that one too, and its own step carries their decodes
+    join: Curve = field(default_factory=lambda: Curve(signed=True))
 
     @classmethod
     def empty(cls) -> "StreamCosts":
@@ -243,6 +250,8 @@ class StreamCosts:
             out["draft_yield_by_engine_load"] = self.draft_yield.dump()
         if self.verify.buckets:
             out["step_excess_s_by_predicted_drafts"] = self.verify.dump()
+        if self.join.measured:
+            out["join_s_by_engine_load"] = self.join.dump()
         return out
 
     @classmethod
@@ -251,5 +260,6 @@ class StreamCosts:
         return cls(Curve.load(data["prefill_s_by_tokens"]), Curve.load(data["step_s_by_engine_load"]),
                    _Point(0.0, float(service[0]), int(service[1])),
                    Curve.load(data.get("draft_yield_by_engine_load", ())),
-                   DraftFit.load(data.get("step_excess_s_by_predicted_drafts", ())))
+                   DraftFit.load(data.get("step_excess_s_by_predicted_drafts", ())),
+                   Curve.load(data.get("join_s_by_engine_load", ()), signed=True))
 

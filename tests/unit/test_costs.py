@@ -83,7 +83,8 @@ def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves(
 def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     """A burst's prompts are computed one after another: a request joining a lane whose requests have 300 prompt
     tokens still to compute waits for them (its prefill is read at 300 + its own), and delays the requests there
-    by its own share only; a finished request's time to first token is learned at the tokens it waited behind."""
+    by its own share only; a finished request's time to first token is learned at the tokens it waited behind (what
+    it took over the prefill curve there, having found its engine busy, as ``join``)."""
     costs = CostModel()
     costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
                        slots={"a": 8, "b": 8}))
@@ -98,7 +99,42 @@ def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     assert other.prefill_s == pytest.approx(0.1)
     costs.observe(Completed("b", feats(prompt_tokens=100, in_flight_by_mode={"b": 1}, prefilling_by_mode={"b": 300}),
                             "ok", 0.8, None, 1.0, 100, 1, 1.0, "estimated", False, False))
-    assert costs.stream("b").prefill.samples(400) == 2 and costs.stream("b").prefill.samples(100) == 1
+    b = costs.stream("b")
+    assert b.prefill.samples(400) == 1 and b.join.at(1) == pytest.approx(0.8 - 0.4)
+
+
+def test_a_prompt_that_finds_its_engine_busy_is_learned_and_predicted_apart_from_one_on_an_idle_engine():
+    """A first token on an idle engine teaches the prefill curve; on a busy one (within its batch), what it took over
+    that curve, by the requests it found (``join``): the step in flight it waited for. A prediction adds it on a busy
+    engine only, to the request's own time, not to what its prompt stalls the others by; never below nothing. A
+    request that found the batch full waited for a slot, which ``wait`` predicts: neither curve learns from it."""
+    costs = CostModel()
+    costs.bind(Binding(streams={"a": "a"}, lanes={"a": "0"}, engines={"a": "a"}, slots={"a": 2}))
+    costs.add_step("a", 1, 0.01)
+    costs.add_step("a", 2, 0.02)
+
+    def finished(ttft: float, running: int) -> Completed:
+        return Completed("a", feats(prompt_tokens=100, in_flight_by_mode={"a": running}), "ok", ttft, None, ttft,
+                         100, 1, 1.0, "estimated", False, False)
+
+    costs.observe(finished(0.09, 1))  # busy before anything idle was measured: nothing to take it over
+    assert not costs.stream("a").join.measured and not costs.stream("a").prefill.measured
+    costs.observe(finished(0.10, 0))
+    costs.observe(finished(0.15, 1))
+    costs.observe(finished(0.50, 2))  # the batch (2) was full: it waited for a slot
+    a = costs.stream("a")
+    assert a.prefill.at(100) == pytest.approx(0.10) and a.prefill.samples(100) == 1
+    assert a.join.at(1) == pytest.approx(0.05) and a.join.samples(1) == 1 and a.join.samples(2) == 0
+    idle = costs.predict("a", feats(prompt_tokens=100, max_tokens=1))
+    busy = costs.predict("a", feats(prompt_tokens=100, max_tokens=1, in_flight_by_mode={"a": 1}))
+    assert idle.prefill_s == pytest.approx(0.10) and busy.prefill_s == pytest.approx(0.15)
+    assert busy.delay_s == pytest.approx(0.10 - 0.01)  # its prompt's marginal time over their step, as before
+    costs.observe(finished(0.02, 1))  # a faster one pulls the mean down (signed), and a prediction never goes below
+    costs.observe(finished(0.02, 1))
+    assert a.join.at(1) < 0
+    assert costs.predict("a", feats(prompt_tokens=100, max_tokens=1, in_flight_by_mode={"a": 1})).prefill_s \
+        == pytest.approx(0.10)
+    assert StreamCosts.load(a.dump()).join.dump() == a.join.dump()
 
 
 def test_requests_near_their_end_count_by_the_share_of_a_new_request_they_run_beside():
@@ -226,7 +262,8 @@ def test_finished_requests_correct_the_curves_at_the_load_they_met():
 
     costs.observe(done("m", {"m": 4.0}, 0.02))  # filed under the mean load it met (itself included), not 2
     assert costs.stream("m").step.dump() == [[4.0, 0.02, 1]]
-    assert costs.stream("m").prefill.dump() == [[64.0, 0.1, 1]]
+    # its first token came on a busy engine, with no idle prefill measured to take it over: neither curve learns
+    assert not costs.stream("m").prefill.measured and not costs.stream("m").join.measured
     costs.observe(done("d", {"m": 3.0, "d": 1.0}, 0.01, steps=6))  # 20 tokens after the first in 5 steps: 0.04
     assert costs.stream("m drafting").step.at(4) == pytest.approx(0.04)
     costs.observe(done("m", None, 0.5))  # the loads it met not known: no step time
