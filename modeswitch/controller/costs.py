@@ -8,8 +8,9 @@ Every engine keeps two curves per *stream* (its plain requests, and apart from t
   waits for them all); for a finished request on an engine that counts them (``Completed.prefilled_tokens``), those
   its engine computed until its first token, the prompts that arrived after it and joined its step included;
 - ``join``: what a first token took over that, against the requests running on the engine when it arrived (within
-  its batch): a prompt that finds its engine busy waits for the step in flight (on vLLM for the one scheduled
-  after it too), and its own step carries the others' decodes. One curve for both would price a prompt on an idle
+  its batch) with no prompt queued on the lane (behind queued prompts, it waits for them: the prefill curve's): a
+  prompt that finds its engine decoding waits for the step in flight (on vLLM for the one scheduled after it
+  too), and its own step carries the others' decodes. One curve for both would price a prompt on an idle
   engine at a busy one's (on the AVX2 EPYC's int8 engine, such a curve predicted 0.126 s for a 40-token prompt that
   took 0.097 s on an idle engine; with one request running, prompts took 0.05-0.08 s more than it predicted);
 - ``step``: seconds per target step against the requests running on the engine, this request included (for a
@@ -45,7 +46,8 @@ a drafting stream's ``step_e`` is moved by the tokens the request is predicted t
 accepted or not: on a CPU a step that verifies five drafts costs more than one that verifies none) along a line
 fitted per load bucket to its finished requests' steps, over the curve at their load, against their predicted
 drafts (``verify``, :class:`~.curves.DraftFit`; the curve as it is until a bucket has its slope);
-``join_e(0)`` is 0 (and never below 0: a busy engine does not compute a prompt sooner than an idle one);
+``join_e(n)`` is 0 where ``n`` is 0 or ``q`` is not (and never below 0: a busy engine does not compute a prompt
+sooner than an idle one);
 ``beside_e`` is one step of each other busy engine on the lane (engines sharing cores take turns);
 ``wait_e`` counts the requests queued beyond the engine's batch; and ``delay`` is what ``r`` costs the requests
 already on the lane (its prompt's share of the prefill they wait behind or stall for, and the growth of every
@@ -297,17 +299,18 @@ class CostModel:
             self._measured_at[stream] = time.monotonic()
             self._find_idle()
 
-    def add_prefill(self, stream: str, tokens: int, seconds: float, engine_load: int = 0) -> None:
-        """A first token's seconds after ``tokens`` prompt tokens computed, on an engine running ``engine_load``
-        requests when it arrived: on an idle one the prefill curve's, on a busy one what it took over that curve
-        (``join``, once the prefill curve has measured something to take it over)."""
+    def add_prefill(self, stream: str, tokens: int, seconds: float, decoding: int = 0) -> None:
+        """A first token's seconds after ``tokens`` prompt tokens computed; ``decoding``: the requests its engine ran
+        when it arrived with no prompt queued on its lane (0: it found the engine idle, or prompts queued, which it
+        waited for: the prefill curve's), else what it took over the prefill curve is ``join``'s (once that curve
+        has measured something to take it over)."""
         costs = self.stream(stream)
         tokens = max(tokens, 1)
         with self._lock:
-            if not engine_load:
+            if not decoding:
                 costs.prefill.add(tokens, seconds)
             elif costs.prefill.measured:
-                costs.join.add(engine_load, seconds - costs.prefill.at(tokens))
+                costs.join.add(decoding, seconds - costs.prefill.at(tokens))
 
     def add_step(self, stream: str, lane_load: float, seconds: float, drafts: float | None = None) -> None:
         """A step's seconds at a load; ``drafts``: the tokens its request was predicted to draft a step (a drafting
@@ -363,10 +366,12 @@ class CostModel:
         else:  # what its engine computed until its first token, and what the lane's other engines had still to
             computed = prefilled[0] + self.engine_load(completed.mode, f.prefilling_by_mode)[1]
         # the requests on its engine when it arrived: beyond its batch it waited for a slot (``wait``, predicted from
-        # the service time), which says nothing of a prefill
+        # the service time), which says nothing of a prefill; behind prompts queued on its lane, for them (the
+        # prefill curve's, at the tokens computed); else, on a busy engine, for the step in flight (``join``)
         running = self.engine_load(completed.mode, f.in_flight_by_mode)[0]
         if running < b.slots.get(completed.mode, 1):
-            self.add_prefill(stream, computed, completed.ttft_s, running)
+            queued = self.lane_load(completed.mode, f.prefilling_by_mode)
+            self.add_prefill(stream, computed, completed.ttft_s, 0 if queued else running)
         self.add_service(stream, completed.latency_s)
         if completed.tpot_s is None or completed.loads_met is None:
             return
@@ -489,8 +494,9 @@ class CostModel:
             # what the lane's requests wait for without it: the prompts queued, or on a busy engine its next step,
             # which they would take all the same
             without = (costs.prefill.at(ahead) if ahead else at_mine) if lane_load else 0.0
-            # on a busy engine its prompt waits for the step in flight too (never less than on an idle one)
-            joins = max(costs.join.at(mine) or 0.0, 0.0) if 0 < mine < slots else 0.0
+            # on an engine decoding, no prompt queued, its prompt waits for the step in flight (never less than on
+            # an idle one); behind queued prompts, the prefill curve prices the wait
+            joins = max(costs.join.at(mine) or 0.0, 0.0) if 0 < mine < slots and not ahead else 0.0
             return (costs.prefill.at, lane_load, ahead, steps, steps * step, wait, lane_met * steps * growth, without,
                     joins)
 

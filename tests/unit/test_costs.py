@@ -83,8 +83,7 @@ def test_an_unmeasured_stream_predicts_nothing_and_a_measured_one_by_its_curves(
 def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     """A burst's prompts are computed one after another: a request joining a lane whose requests have 300 prompt
     tokens still to compute waits for them (its prefill is read at 300 + its own), and delays the requests there
-    by its own share only; a finished request's time to first token is learned at the tokens it waited behind (what
-    it took over the prefill curve there, having found its engine busy, as ``join``)."""
+    by its own share only; a finished request's time to first token is learned at the tokens it waited behind."""
     costs = CostModel()
     costs.bind(Binding(streams={"a": "a", "b": "b"}, lanes={"a": "0", "b": "1"}, engines={"a": "a", "b": "b"},
                        slots={"a": 8, "b": 8}))
@@ -99,15 +98,16 @@ def test_prompts_not_computed_yet_on_the_lane_are_computed_before_a_new_one():
     assert other.prefill_s == pytest.approx(0.1)
     costs.observe(Completed("b", feats(prompt_tokens=100, in_flight_by_mode={"b": 1}, prefilling_by_mode={"b": 300}),
                             "ok", 0.8, None, 1.0, 100, 1, 1.0, "estimated", False, False))
-    b = costs.stream("b")
-    assert b.prefill.samples(400) == 1 and b.join.at(1) == pytest.approx(0.8 - 0.4)
+    assert costs.stream("b").prefill.samples(400) == 2 and costs.stream("b").prefill.samples(100) == 1
+    assert not costs.stream("b").join.measured  # it waited for the prompts queued, not for a step in flight
 
 
 def test_a_prompt_that_finds_its_engine_busy_is_learned_and_predicted_apart_from_one_on_an_idle_engine():
-    """A first token on an idle engine teaches the prefill curve; on a busy one (within its batch), what it took over
-    that curve, by the requests it found (``join``): the step in flight it waited for. A prediction adds it on a busy
-    engine only, to the request's own time, not to what its prompt stalls the others by; never below nothing. A
-    request that found the batch full waited for a slot, which ``wait`` predicts: neither curve learns from it."""
+    """A first token on an idle engine teaches the prefill curve; on one decoding with no prompt queued (within its
+    batch), what it took over that curve, by the requests it found (``join``): the step in flight it waited for. A
+    prediction adds it on such an engine only, to the request's own time, not to what its prompt stalls the others
+    by; never below nothing. A request that found the batch full waited for a slot, which ``wait`` predicts:
+    neither curve learns from it."""
     costs = CostModel()
     costs.bind(Binding(streams={"a": "a"}, lanes={"a": "0"}, engines={"a": "a"}, slots={"a": 2}))
     costs.add_step("a", 1, 0.01)
@@ -129,6 +129,9 @@ def test_a_prompt_that_finds_its_engine_busy_is_learned_and_predicted_apart_from
     busy = costs.predict("a", feats(prompt_tokens=100, max_tokens=1, in_flight_by_mode={"a": 1}))
     assert idle.prefill_s == pytest.approx(0.10) and busy.prefill_s == pytest.approx(0.15)
     assert busy.delay_s == pytest.approx(0.10 - 0.01)  # its prompt's marginal time over their step, as before
+    behind = costs.predict("a", feats(prompt_tokens=100, max_tokens=1, in_flight_by_mode={"a": 1},
+                                      prefilling_by_mode={"a": 100}))
+    assert behind.prefill_s == pytest.approx(a.prefill.at(200))  # behind a prompt queued: the prefill curve's
     costs.observe(finished(0.02, 1))  # a faster one pulls the mean down (signed), and a prediction never goes below
     costs.observe(finished(0.02, 1))
     assert a.join.at(1) < 0
