@@ -5,7 +5,9 @@ their prompt (a list, code, a paragraph) and half write prose; a burst of prose 
 questions about one shared document at 4 clients; a lull again. All greedy, streamed over HTTP, the same
 token ids to every server. Per server and phase: mean and p90 end-to-end latency, output tok/s over the
 phase's wall time, the tokens generated, the cores its front ends (HTTP, tokenizing, routing, engine clients) and
-its engines kept busy (CPU seconds over wall seconds), and (ModeSwitch) the modes that served.
+its engines kept busy (CPU seconds over wall seconds), and (ModeSwitch) the modes that served; then, for a ModeSwitch
+server whose policy orders by the cost model, what its requests took over what their decision predicted, per phase
+and mode (``report.prediction_accuracy``).
 
 Servers run one at a time (nothing else running; ModeSwitch's engines and three vLLM servers do not fit in
 memory together here): start, one warm-up trace (other prompts, not counted: first-shape compilation, and
@@ -54,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.client import pct, send  # noqa: E402
 from modeswitch.bench.phases import phases  # noqa: E402
-from modeswitch.bench.report import processor, save_results  # noqa: E402
+from modeswitch.bench.report import accuracy_table, prediction_accuracy, processor, save_results  # noqa: E402
 from modeswitch.device import machine  # noqa: E402
 from modeswitch.engines.vllm.int8_fbgemm import onednn_lacks_int8_kernel  # noqa: E402
 from modeswitch.engines.vllm.plugin import FBGEMM_ENV  # noqa: E402
@@ -265,12 +267,17 @@ def main() -> int:
     summary = summaries(records)
     table = report(summary) + "".join(f"\n\n{label}: not in the table, it failed a trace: {why}"
                                       for label, why in failed.items())
+    accuracy = {label: a for label, rs in records.items() if " pinned " not in label and (a := prediction_accuracy(rs))}
+    if accuracy:
+        table += ("\n\nWhat the requests took over what their decision predicted for the mode chosen (medians):\n\n"
+                  + accuracy_table(accuracy))
     print(table)
     how = "their traces in turn, the others paused" if args.interleave else "one server at a time"
     stem = save_results(args.out, f"changing_{Path(args.model).name}", args.tag,
                         {"model": args.model, "processor": processor(), "cpu_flags": machine(), "repeats": args.repeats,
                          "rounds": args.rounds, "interleaved": args.interleave, "summary": summary,
-                         "decision_us": decision_us(records), "pinned_failed": failed,
+                         "decision_us": decision_us(records), "prediction_accuracy": accuracy,
+                         "pinned_failed": failed,
                          "requests_by_mode": {k: dict(v) for k, v in served.items()},
                          "records": {label: [compact(r) for r in rs] for label, rs in records.items()}},
                         f"# A changing workload ({args.model}, {processor()})\n\n{args.rounds} round(s) x {args.repeats} "

@@ -15,7 +15,7 @@ import platform
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, median
 from typing import Any, Iterable
 
 from ..device import cpuinfo, imitated_cpu
@@ -111,6 +111,48 @@ def summarize(records: Records) -> dict[str, Any]:
         if decisions:
             out["decision_us_p50"] = pct(decisions, 0.5)
     return out
+
+
+#: what :func:`prediction_accuracy` compares, per request: (name, what it took, what its decision predicted)
+ACCURACY = (
+    ("first_token", lambda r: r["ttft_s"], lambda p: p["wait_s"] + p["prefill_s"]),
+    ("decode", lambda r: r["latency_s"] - r["ttft_s"], lambda p: p["decode_s"]),
+    ("latency_over_own", lambda r: r["latency_s"], lambda p: p["own_s"]),
+    ("latency_over_total", lambda r: r["latency_s"], lambda p: p["own_s"] + p["delay_s"]),
+)
+
+
+def prediction_accuracy(records: Records) -> dict[str, dict[str, float]]:
+    """Per phase and mode (``"<phase> <mode>"``; ``"all <mode>"`` for records of no phase), the medians of what the
+    requests took over what their decision predicted for the mode chosen: the first token over the predicted wait and
+    prefill, the rest over the predicted decode, the whole over its own predicted time and over that plus the delay
+    it was predicted to cause. Its own time reads high where requests arriving after it stall its steps (a burst): a
+    prediction charges those to the newcomers, as their delay. Only the requests a decision predicted count (a
+    policy ordering by the cost model; not a pinned request)."""
+    groups: dict[str, Records] = {}
+    for r in records:
+        if r.get("ok") and (r.get("prediction") or {}).get("chosen") and r.get("ttft_s") is not None:
+            groups.setdefault(f"{r.get('phase', 'all')} {r['mode']}", []).append(r)
+    out = {}
+    for group, rs in sorted(groups.items()):
+        row: dict[str, float] = {"requests": len(rs)}
+        for name, took, predicted in ACCURACY:
+            ratios = [took(r) / expected for r in rs if (expected := predicted(r["prediction"]["chosen"])) > 0]
+            if ratios:
+                row[name] = round(median(ratios), 3)
+        out[group] = row
+    return out
+
+
+def accuracy_table(accuracy: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Each server's :func:`prediction_accuracy` as one markdown table."""
+    lines = ["| server | phase, mode | requests | first token | decode | latency / own | latency / own + delay |",
+             "|---|---|---|---|---|---|---|"]
+    for label, groups in accuracy.items():
+        for group, row in groups.items():
+            cells = " | ".join(f"{row[name]:.2f}" if name in row else "-" for name, _, _ in ACCURACY)
+            lines.append(f"| {label} | {group} | {row['requests']} | {cells} |")
+    return "\n".join(lines)
 
 
 def oracle(static: dict[str, Records], allowed: Iterable[str]) -> Records:

@@ -67,3 +67,23 @@ def test_a_changing_row_gives_the_cpu_its_server_spent_per_token():
                "older": {"overall": {"mean_s": 1.0, "out_tok_s": 100.0}}}
     rows = digest.changing({"summary": summary, "requests_by_mode": {"ModeSwitch": {"m": 3}}})
     assert {r["server"]: r["CPU ms/token"] for r in rows} == {"**ModeSwitch**": "10", "vLLM": "20", "older": None}
+
+
+def test_prediction_accuracy_is_what_requests_took_over_what_their_decision_predicted_per_phase_and_mode():
+    """Medians per phase and mode, over the requests a decision predicted (a pinned or failed one is not); a ratio
+    over a prediction of nothing is left out, and the table shows it missing."""
+    def served(ttft: float, latency: float, prefill: float, phase: str = "lull", **kw) -> dict:
+        chosen = {"wait_s": 0.0, "prefill_s": prefill, "decode_s": 1.0, "own_s": prefill + 1.0, "delay_s": 1.0}
+        return {"ok": True, "mode": "a", "phase": phase, "ttft_s": ttft, "latency_s": latency,
+                "prediction": {"chosen": chosen}, **kw}
+
+    records = [served(0.1, 1.1, 0.2), served(0.3, 2.3, 0.2), served(0.2, 1.7, 0.2),
+               served(0.1, 1.1, 0.0, phase="burst"),
+               served(9.0, 9.0, 0.2, ok=False), served(9.0, 9.0, 0.2, prediction=None)]
+    accuracy = report.prediction_accuracy(records)
+    assert accuracy["lull a"] == {"requests": 3, "first_token": 1.0, "decode": 1.5, "latency_over_own": 1.417,
+                                  "latency_over_total": 0.773}
+    assert accuracy["burst a"] == {"requests": 1, "decode": 1.0, "latency_over_own": 1.1, "latency_over_total": 0.55}
+    table = report.accuracy_table({"ModeSwitch": accuracy})
+    assert "| ModeSwitch | burst a | 1 | - | 1.00 | 1.10 | 0.55 |" in table
+    assert "| ModeSwitch | lull a | 3 | 1.00 | 1.50 | 1.42 | 0.77 |" in table
