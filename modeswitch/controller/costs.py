@@ -3,7 +3,7 @@
 Every engine keeps two curves per *stream* (its plain requests, and apart from them its drafting requests):
 
 - ``prefill``: seconds to the first token against the prompt tokens computed before it, for a request that found
-  its engine idle: its own (the prompt less what the mode's prefix cache holds) and those of the requests on the
+  its engine idle or prompts queued on its lane: its own (the prompt less what the mode's prefix cache holds) and those of the requests on the
   lane still waiting for their first token (a burst's prompts are computed one after another, and the last one
   waits for them all); for a finished request on an engine that counts them (``Completed.prefilled_tokens``), those
   its engine computed until its first token, the prompts that arrived after it and joined its step included;

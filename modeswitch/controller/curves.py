@@ -231,8 +231,9 @@ class StreamCosts:
     #: draft a step (empty for a plain stream)
     verify: DraftFit = field(default_factory=DraftFit)
     #: seconds a prompt's first token takes over the prefill curve's for the tokens computed, against the requests
-    #: in flight on the engine when it arrived (none: what ``prefill`` measures): it waits for the step in flight
-    #: and, on an engine that schedules its next step ahead, for that one too, and its own step carries their decodes
+    #: decoding on the engine when it arrived, no prompt queued (none, or prompts queued: what ``prefill`` measures):
+    #: it waits for the step in flight and, on an engine that schedules its next step ahead, for that one too, and
+    #: its own step carries their decodes
     join: Curve = field(default_factory=lambda: Curve(signed=True))
 
     @classmethod
