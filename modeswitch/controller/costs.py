@@ -3,10 +3,11 @@
 Every engine keeps two curves per *stream* (its plain requests, and apart from them its drafting requests):
 
 - ``prefill``: seconds to the first token against the prompt tokens computed before it, for a request that found
-  its engine idle or prompts queued on its lane: its own (the prompt less what the mode's prefix cache holds) and those of the requests on the
-  lane still waiting for their first token (a burst's prompts are computed one after another, and the last one
-  waits for them all); for a finished request on an engine that counts them (``Completed.prefilled_tokens``), those
-  its engine computed until its first token, the prompts that arrived after it and joined its step included;
+  its engine idle or prompts queued on its lane: its own (the prompt less what the mode's prefix cache holds) and
+  those of the requests on the lane still waiting for their first token (a burst's prompts are computed one after
+  another, and the last one waits for them all); for a finished request on an engine that counts them
+  (``Completed.prefilled_tokens``), those its engine computed until its first token, the prompts that arrived
+  after it and joined its step included;
 - ``join``: what a first token took over that, against the requests running on the engine when it arrived (within
   its batch) with no prompt queued on the lane (behind queued prompts, it waits for them: the prefill curve's): a
   prompt that finds its engine decoding waits for the step in flight (on vLLM for the one scheduled after it
@@ -360,9 +361,9 @@ class CostModel:
             return
         f = completed.features
         prefilled = completed.prefilled_tokens
-        if prefilled is None:  # its own prompt and those its lane had still to compute
-            computed = self.lane_load(completed.mode, f.prefilling_by_mode) + completed.prompt_tokens \
-                - f.prefix_match_by_mode.get(completed.mode, 0)
+        queued = self.lane_load(completed.mode, f.prefilling_by_mode)  # prompt tokens its lane had still to compute
+        if prefilled is None:  # its own prompt and those queued on its lane
+            computed = queued + completed.prompt_tokens - f.prefix_match_by_mode.get(completed.mode, 0)
         else:  # what its engine computed until its first token, and what the lane's other engines had still to
             computed = prefilled[0] + self.engine_load(completed.mode, f.prefilling_by_mode)[1]
         # the requests on its engine when it arrived: beyond its batch it waited for a slot (``wait``, predicted from
@@ -370,7 +371,6 @@ class CostModel:
         # prefill curve's, at the tokens computed); else, on a busy engine, for the step in flight (``join``)
         running = self.engine_load(completed.mode, f.in_flight_by_mode)[0]
         if running < b.slots.get(completed.mode, 1):
-            queued = self.lane_load(completed.mode, f.prefilling_by_mode)
             self.add_prefill(stream, computed, completed.ttft_s, 0 if queued else running)
         self.add_service(stream, completed.latency_s)
         if completed.tpot_s is None or completed.loads_met is None:
