@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from modeswitch.engines.vllm import compat
+from modeswitch.engines.vllm.int8_fbgemm import onednn_lacks_int8_kernel
 from modeswitch.engines.vllm.plugin import ENV, SERVER_ENV
 
 #: the environment of a ModeSwitch engine process
@@ -102,8 +103,9 @@ print(json.dumps(sorted(compat._replaced)))
 def test_vllms_own_processes_run_unpatched_and_modeswitchs_are_patched():
     """vLLM's plugin loader finds ModeSwitch's entry point in every process of the environment: in one that is not
     a ModeSwitch server or engine (vLLM's own server, started from the same environment) it replaces nothing; in
-    an engine process it replaces every target but the gloo group (only with ``ENV``=1) and the context engine
-    processes start from, which only the server replaces."""
+    an engine process it replaces every target but the gloo group (only with ``ENV``=1), the context engine
+    processes start from, which only the server replaces, and, where oneDNN has an int8 kernel for the CPU
+    (AVX-512, VNNI), the W8A8 linears' weights, which stay vLLM's."""
 
     def replaced(env, *argv):
         out = subprocess.run([sys.executable, "-c", LOADER, *argv], capture_output=True, text=True, timeout=300,
@@ -113,8 +115,9 @@ def test_vllms_own_processes_run_unpatched_and_modeswitchs_are_patched():
 
     functions = {t.where for t in compat.TARGETS.values() if t.params is not None}  # gloo's group is a class
     context = compat.TARGETS["engine_mp_context"].where
+    fbgemm = set() if onednn_lacks_int8_kernel() else {compat.TARGETS["cpu_int8_onednn_weights"].where}
     assert replaced({k: v for k, v in os.environ.items() if k not in (SERVER_ENV, ENV)}) == []
-    assert replaced({k: v for k, v in ENGINE_ENV.items() if k != ENV}) == sorted(functions - {context})
+    assert replaced({k: v for k, v in ENGINE_ENV.items() if k != ENV}) == sorted(functions - {context} - fbgemm)
     assert context in replaced({k: v for k, v in os.environ.items() if k not in (SERVER_ENV, ENV)}, "server")
 
 
