@@ -31,13 +31,15 @@ def stop(proc: subprocess.Popen) -> None:
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds a server has used: its own process (HTTP, tokenizing, the engine client: the front end) and
-    its descendants (vLLM's engine cores and workers), so that the cost of each side per token is compared."""
+    its descendants (vLLM's engine cores and workers), so that the cost of each side per token is compared. A
+    descendant that ended and was waited for (an engine replaced by its compiled one, or restarted) still counts:
+    the kernel adds its times to its parent's ``children_*``."""
     proc = psutil.Process(pid)
-    own = sum(proc.cpu_times()[:2])
-    children = 0.0
+    times = proc.cpu_times()
+    own, children = sum(times[:2]), sum(times[2:4])
     for child in proc.children(recursive=True):
         try:
-            children += sum(child.cpu_times()[:2])
+            children += sum(child.cpu_times()[:4])
         except psutil.Error:  # gone meanwhile
             pass
     return own, children

@@ -176,3 +176,31 @@ def test_a_paused_server_takes_no_cpu_answers_nothing_and_resumes(tmp_path):
         for p in processes[1:]:  # the spinning child, which its parent's end leaves running
             p.kill()
     assert proc.poll() is not None and not server.paused
+
+
+def test_a_server_keeps_the_cpu_its_ended_engines_used():
+    """An engine process that ended (replaced by its compiled one, or restarted) still counts in the server's CPU
+    seconds: a phase's engine CPU is never below 0."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from modeswitch.bench.servers import cpu_seconds
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.run([sys.executable, '-c', {spin!r}]); time.sleep(30)"])
+    try:
+        server, deadline = psutil.Process(parent.pid), time.monotonic() + 20
+        while not server.children():  # the engine starts
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while server.children():  # it spins, then ends
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert cpu_seconds(parent.pid)[1] >= 0.4
+    finally:
+        parent.kill()
+        parent.wait()
