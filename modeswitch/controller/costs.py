@@ -58,6 +58,9 @@ ahead of it or not; 0 where ``e`` is idle). A mode whose stream has not measured
 curve yet predicts nothing (``None``): it is never compared on a guess, so one mode's unmeasured prior cannot
 mask another's measured cost.
 
+Each stream also counts the finished requests it served by kind of request (``served``: task, prompt length,
+repetition, as :class:`~.speculation.Kind`), which a policy that explores reads (``predict.explore``, :mod:`.rules`).
+
 The measurements are kept per engine *key* (machine, model, engine configuration: what makes the costs
 valid) in a JSON file, so a restart on the same machine starts with what the last run measured.
 """
@@ -76,6 +79,7 @@ from ..files import replace_whole
 from .completed import Completed
 from .curves import Curve, StreamCosts
 from .features import Features
+from .speculation import Kind
 from .speculation import tokens_per_step as tokens_per_target_step
 
 log = logging.getLogger(__name__)
@@ -128,11 +132,14 @@ class Predict(Protocol):
     """One request's predictions (:meth:`CostModel.predictor`): a mode's, or None while its stream has not measured
     both curves. ``idle``: the modes whose engine is idle by measurement (``CostModel._idle_engines``), which a
     policy ordering by prediction compares only when no other mode has a prediction, so it need not predict them
-    otherwise (a plain function is a ``Predict`` with none)."""
+    otherwise (a plain function is a ``Predict`` with none). ``explore``: :meth:`CostModel.predictor`'s (a plain
+    function has none: nothing is explored)."""
 
     idle: frozenset[str]
 
     def __call__(self, mode: str) -> Prediction | None: ...
+
+    def explore(self, mode: str, than: str, under: int) -> tuple[int, str] | None: ...
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,8 @@ class CostModel:
                 costs.verify = old.verify
             if old is not None and not costs.join.measured:
                 costs.join = old.join
+            if old is not None and not costs.served:
+                costs.served = old.served
             self._streams[stream] = costs
             self._stale.discard(stream)
             self._measured_at[stream] = time.monotonic()
@@ -360,6 +369,7 @@ class CostModel:
                 or completed.ttft_s is None):
             return
         f = completed.features
+        self._count(stream, f)
         prefilled = completed.prefilled_tokens
         queued = self.lane_load(completed.mode, f.prefilling_by_mode)  # prompt tokens its lane had still to compute
         if prefilled is None:  # its own prompt and those queued on its lane
@@ -391,6 +401,13 @@ class CostModel:
             drafts = f.drafts_per_step
         if not others and seconds > 0:  # nothing left of it once the prompts beside it are taken out: not a step
             self.add_step(stream, own, seconds, drafts)
+
+    def _count(self, stream: str, features: Features) -> None:
+        """One more request of its kind served by ``stream``."""
+        kind = Kind.of(features.task, features.prompt_tokens, features.prompt_repeat).name
+        costs = self.stream(stream)
+        with self._lock:
+            costs.served[kind] = costs.served.get(kind, 0) + 1
 
     def _add_yield(self, stream: str, load: float, got: float, predicted: float) -> None:
         """The share of its predicted drafting gain a drafting request got at ``load`` (tokens per target step less
@@ -521,7 +538,29 @@ class CostModel:
             known[key] = prediction = Prediction(wait + prefill + decode, delay, wait, prefill, decode)
             return prediction
 
+        kind: list[str] = []  # this request's kind, named once where asked
+
+        def explore(mode: str, than: str, under: int) -> tuple[int, str] | None:
+            """(the requests of this request's kind ``mode``'s stream has served, the kind) where ``mode`` drafts,
+            its stream has served fewer than ``under`` of the kind, is not ``than``'s, and nothing runs or waits on
+            its lane or a lane sharing its cores; else None. A drafting stream's cost depends on the kind (what it
+            drafts and how much of that is accepted), and its curves predict a kind it never served from those it
+            did (one that served prose prices a copying request by its prose steps' drafts and yield), which
+            nothing corrects while no request of the kind goes there; on an idle lane one that does delays no one,
+            and is measured alone. A plain stream's step is the same whatever the text: nothing to explore."""
+            place, other = modes.get(mode), modes.get(than)
+            if place is None or not place[4] or (other is not None and other[0] == place[0]):
+                return None
+            costs = streams.get(place[0])
+            if costs is None or (busy and lane_state(place[1])[:2] != (0, 0)):
+                return None
+            if not kind:
+                kind.append(Kind.of(features.task, prompt, features.prompt_repeat).name)
+            served = costs.served.get(kind[0], 0)
+            return (served, kind[0]) if served < under else None
+
         predict.idle = self._idle_modes  # type: ignore[attr-defined]
+        predict.explore = explore  # type: ignore[attr-defined]
         return predict
 
     def speculation_gain(self, features: Features, tokens_per_step: float) -> float:

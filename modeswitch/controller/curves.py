@@ -235,6 +235,9 @@ class StreamCosts:
     #: it waits for the step in flight and, on an engine that schedules its next step ahead, for that one too, and
     #: its own step carries their decodes
     join: Curve = field(default_factory=lambda: Curve(signed=True))
+    #: finished requests it served, by kind of request (``speculation.Kind.name``): what its curves have seen of a
+    #: kind, which a policy that explores reads (a curve fitted on other kinds predicts this one by extrapolation)
+    served: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "StreamCosts":
@@ -253,6 +256,8 @@ class StreamCosts:
             out["step_excess_s_by_predicted_drafts"] = self.verify.dump()
         if self.join.measured:
             out["join_s_by_engine_load"] = self.join.dump()
+        if self.served:
+            out["served_by_kind"] = dict(sorted(self.served.items()))
         return out
 
     @classmethod
@@ -262,5 +267,6 @@ class StreamCosts:
                    _Point(0.0, float(service[0]), int(service[1])),
                    Curve.load(data.get("draft_yield_by_engine_load", ())),
                    DraftFit.load(data.get("step_excess_s_by_predicted_drafts", ())),
-                   Curve.load(data.get("join_s_by_engine_load", ()), signed=True))
+                   Curve.load(data.get("join_s_by_engine_load", ()), signed=True),
+                   {str(kind): int(n) for kind, n in data.get("served_by_kind", {}).items()})
 

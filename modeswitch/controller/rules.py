@@ -14,6 +14,7 @@ order: listed        # listed: the first mode of the list that passes the gates;
                      # predicted within latency_slack of the first, the one of least predicted joules (a rule may
                      # say its own)
 latency_slack: 1.25  # with order: energy, how much longer than the fastest a request may be predicted to take
+explore: {within: 1.5, requests: 3}   # with order: predicted, optional: see below
 fallback: [fp16]                             # tried after a rule's (or the default's) own list
 quality: {max_drop_pp: 1.0}                  # the quality gate's tolerances (see QualityPolicy)
 energy: {max_j_per_token: 2.0, modes: {int8: 1.0}}   # energy gate: caps on each mode's running J/token
@@ -29,6 +30,14 @@ modes a kind of request may use, and among those the gates pass the controller's
 on its lane. A mode whose engine has not measured its costs yet is not compared on a guess: measured modes
 come first, the rest in the list's order. ``order: listed`` keeps the list a strict order (``paper.yaml``
 keeps the published table so).
+
+With ``explore`` an ordering by prediction also learns what it would not see otherwise: a request goes to a drafting
+mode predicted within ``within`` times the fastest one's time whose engine stream has served fewer than
+``requests`` of its kind (task, prompt length, how much the prompt repeats itself: :class:`~.speculation.Kind`),
+where nothing runs on that mode's cores (:meth:`.costs.CostModel.predictor`'s ``explore``). A drafting stream's
+curves predict a kind it never served from the kinds it did, and nothing corrects a prediction that keeps a kind
+away: on the AVX2 EPYC the int8 drafting engine priced prose 20-25 % over what it took there, on the AVX-512 EPYC
+copying requests 10-50 %.
 
 With ``order: energy`` the measurements order by energy within a latency budget: of the modes predicted to finish
 within ``latency_slack`` times the fastest one's time, the one predicted to use the fewest joules: its own
@@ -121,6 +130,15 @@ class _LastMatch:
 
 
 @dataclass(frozen=True)
+class Explore:
+    """``explore``: how much slower than the fastest a mode may be predicted for a request to go there to be
+    measured on its kind (a factor >= 1), and how many requests of a kind a stream serves before it is not."""
+
+    within: float
+    requests: int
+
+
+@dataclass(frozen=True)
 class RulePolicy:
     name: str
     rules: tuple[Rule, ...]
@@ -134,6 +152,8 @@ class RulePolicy:
     order: str = "listed"
     #: with ``order: energy``: the most a mode's predicted time may exceed the fastest's, as a factor (>= 1)
     latency_slack: float = 1.25
+    #: with ``order: predicted``: which runners-up a request may go to for their streams to measure its kind
+    explore: Explore | None = None
     _last_match: _LastMatch = field(default_factory=_LastMatch, init=False, repr=False, compare=False)
 
     def describe(self) -> dict[str, Any]:
@@ -142,7 +162,8 @@ class RulePolicy:
                 "rules": [{"name": r.name, "use": list(r.use), "when": [f"{c.feature} {c.op} {c.value:g}"
                                                                        for c in r.conditions]} for r in self.rules],
                 "default": list(self.default), "fallback": list(self.fallback), "order": self.order,
-                **({"latency_slack": self.latency_slack} if self.uses_energy_order else {})}
+                **({"latency_slack": self.latency_slack} if self.uses_energy_order else {}),
+                **({"explore": vars(self.explore)} if self.explore is not None else {})}
 
     def match(self, features: Features) -> Rule | None:
         """The first rule whose conditions hold, or None (the default list applies)."""
@@ -168,7 +189,8 @@ class RulePolicy:
             explain = _Explain(rule, features, filtered, groups[:i + 1], fallback=i > 0)
             if order in MEASURED_ORDERS:
                 by_energy = (self.latency_slack, energy) if order == "energy" and energy is not None else None
-                return _fastest(admitted, predict, explain, rule_name, by_energy)
+                return _fastest(admitted, predict, explain, rule_name, by_energy,
+                                self.explore if order == "predicted" else None)
             return Choice(admitted[0], partial(explain.listed, admitted[0]), rule_name)
         return Choice(None, _Explain(rule, features, filtered, groups, fallback=False).none, rule_name)
 
@@ -260,7 +282,8 @@ class _Explain:
 
 
 def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str | None,
-             by_energy: tuple[float, Callable[[str], float | None]] | None = None) -> Choice:
+             by_energy: tuple[float, Callable[[str], float | None]] | None = None,
+             explore: Explore | None = None) -> Choice:
     """The admitted mode predicted to finish first (measured modes before unmeasured ones, ties and the
     unmeasured in the list's order), with the prediction of it and of the runner-up: the best mode predicted
     otherwise (modes on one engine stream with the same prompt to compute share one prediction). A mode whose
@@ -271,7 +294,10 @@ def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str
 
     ``by_energy`` (the latency slack, a mode's running watts): of the modes predicted within the slack of the first,
     the one of least predicted joules (its own predicted seconds at its watts; ties by time), where any of them has
-    a figure; the runner-up is then the fastest."""
+    a figure; the runner-up is then the fastest.
+
+    ``explore``: the first mode, fastest first, predicted within its factor of the fastest one's time that
+    ``predict.explore`` says its stream should measure on this kind, if any; the runner-up is then the fastest."""
     idle = getattr(predict, "idle", frozenset())
     predicted = [(p.total, i, name, p) for i, name in enumerate(admitted)
                  if name not in idle and (p := predict(name)) is not None]
@@ -291,7 +317,14 @@ def _fastest(admitted: list[str], predict: Predict, explain: _Explain, rule: str
         if within:
             joules, frugal = min(within, key=lambda jt: (jt[0], jt[1][:2]))
             energy, best = (joules, slack), frugal
-    ranked = _Ranked(best, predicted, admitted, idle, fallback, explain, energy)
+    explored = None
+    if explore is not None and not fallback and (asks := getattr(predict, "explore", None)) is not None:
+        limit = best[0] * explore.within
+        for t in sorted(t for t in predicted if t is not best and t[0] <= limit):  # (total, list index, ...)
+            if (why := asks(t[2], best[2], explore.requests)) is not None:
+                explored, best = (best, *why), t
+                break
+    ranked = _Ranked(best, predicted, admitted, idle, fallback, explain, energy, explored)
     return Choice(best[2], ranked.reason, rule, ranked.prediction)
 
 
@@ -299,15 +332,19 @@ class _Ranked:
     """What :func:`_fastest` predicted, written when read: the chosen mode's prediction and the runner-up's (the best
     mode predicted otherwise), and the modes it left alone."""
 
-    __slots__ = ("best", "predicted", "admitted", "idle", "fallback", "explain", "energy")
+    __slots__ = ("best", "predicted", "admitted", "idle", "fallback", "explain", "energy", "explored")
 
     def __init__(self, best: tuple, predicted: list[tuple], admitted: list[str], idle: frozenset[str],
-                 fallback: bool, explain: _Explain, energy: tuple[float | None, float] | None = None) -> None:
+                 fallback: bool, explain: _Explain, energy: tuple[float | None, float] | None = None,
+                 explored: tuple | None = None) -> None:
         self.best, self.predicted, self.admitted, self.idle = best, predicted, admitted, idle
         self.fallback, self.explain = fallback, explain
         #: ordered by energy: the chosen mode's predicted joules (None: no mode within the slack has a figure yet, so
         #: the fastest) and the latency slack
         self.energy = energy
+        #: exploring: (the fastest mode's ranked tuple, the requests of this kind the chosen one's stream served, the
+        #: kind)
+        self.explored = explored
 
     def runner_up(self) -> tuple[str, Prediction] | None:
         p = self.best[3]
@@ -322,7 +359,11 @@ class _Ranked:
     def reason(self) -> str:
         *_, best, p = self.best
         text = f"{self.explain.why()}{self.explain.via} -> {best}, predicted {p.total:.3g} s"
-        if self.energy is not None and self.energy[0] is not None:
+        if self.explored is not None:
+            fastest, served, kind = self.explored
+            text += (f", exploring: its engine stream has served {served} request(s) of this kind ({kind}), the "
+                     f"fastest {fastest[2]} {fastest[0]:.3g} s")
+        elif self.energy is not None and self.energy[0] is not None:
             text += f", least energy within {self.energy[1]:g}x of the fastest: {self.energy[0]:.3g} J predicted"
         elif self.energy is not None:
             text += f", the fastest: no mode within {self.energy[1]:g}x of it has served a request to measure its watts"
@@ -358,7 +399,7 @@ def _mode_list(sec: Section, key: str, known: set[str], default=None) -> tuple[s
 def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePolicy:
     """A ``type: rules`` policy; ``common``: the blocks every policy has (see ``policy.parse_common``)."""
     source = sec.source
-    sec.only(COMMON_KEYS | {"rules", "default", "fallback", "order", "latency_slack"})
+    sec.only(COMMON_KEYS | {"rules", "default", "fallback", "order", "latency_slack", "explore"})
     rules = []
     raw_rules = sec.get("rules", list, [])
     for i, raw in enumerate(raw_rules):
@@ -389,8 +430,23 @@ def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePo
         fallback=_mode_list(sec, "fallback", known, []),
         order=sec.get("order", str, RulePolicy.order, ORDERS),
         latency_slack=_slack(sec),
+        explore=_explore(sec),
         **common,
     )
+
+
+def _explore(sec: Section) -> Explore | None:
+    raw = sec.section("explore", None)
+    if raw is None:
+        return None
+    raw.only({"within", "requests"})
+    within = float(raw.get("within", (int, float)))
+    if within < 1:
+        raise raw.error(f"must be at least 1 (a factor of the fastest mode's predicted time), got {within:g}", "within")
+    requests = raw.get("requests", int)
+    if requests < 1:
+        raise raw.error(f"must be at least 1, got {requests}", "requests")
+    return Explore(within, requests)
 
 
 def _slack(sec: Section) -> float:

@@ -102,6 +102,11 @@ class Kind:
     def of(cls, task: str, prompt_tokens: int, repeat: float) -> "Kind":
         return cls(task, max(prompt_tokens, 1).bit_length(), min(int(repeat * 4), 3))
 
+    @property
+    def name(self) -> str:
+        """As ``/v1/modes`` and the costs file show it: "general/2^8/repeat2"."""
+        return f"{self.task}/2^{self.length}/repeat{self.repeat}"
+
 
 class _Mean:
     """A running mean that weighs recent observations more (exact while there are few)."""
@@ -170,8 +175,7 @@ class SpeculationModel:
 
     def describe(self) -> dict:
         """What ``/v1/modes`` shows: acceptance and tokens drafted learned per kind."""
-        name = lambda k: f"{k.task}/2^{k.length}/repeat{k.repeat}"  # noqa: E731
         with self._lock:
-            return {"tokens_per_step": {name(k): round(m.value, 3) for k, m in self._accept.items()},
-                    "drafts_per_step": {name(k): round(m.value, 3) for k, m in self._drafted.items()},
+            return {"tokens_per_step": {k.name: round(m.value, 3) for k, m in self._accept.items()},
+                    "drafts_per_step": {k.name: round(m.value, 3) for k, m in self._drafted.items()},
                     "overall_tokens_per_step": round(self._overall.value, 3), "requests": self._overall.count}

@@ -14,11 +14,14 @@ from modeswitch.controller.completed import Completed
 from modeswitch.controller.costs import Binding, CostModel, stream_key
 from modeswitch.controller.curves import MIN_FIT, Curve, StreamCosts
 from modeswitch.resources import DEFAULT_POLICY
+from modeswitch.yamlconf import ConfigError
 from modeswitch.testing.engine import Script
 from openai_checks import generating
 from policy_text import feats, policy_from, shipped_run
 
 FASTEST = DEFAULT_POLICY.read_text()
+#: the default without exploring: what the prediction alone chooses
+PREDICTED_ONLY = "\n".join(line for line in FASTEST.splitlines() if not line.startswith("explore:"))
 
 
 def test_a_curve_interpolates_between_measured_buckets_and_extends_the_last_slope():
@@ -490,6 +493,82 @@ def wait_measured(app, streams, timeout=30.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_drafting_stream_is_explored_on_a_kind_of_request_it_has_served_too_few_of_while_its_lane_is_idle(tmp_path):
+    """``explore`` says where a request may go to be measured: a drafting mode whose stream has served fewer than
+    the policy's count of its kind (task, prompt length, repetition), not on the fastest's stream, with nothing on
+    its cores; every finished request counts for its stream, and the counts are kept with the curves."""
+    costs = CostModel(tmp_path / "costs.json")
+    costs.bind(Binding(streams={"plain": "e", "spec": "e drafting", "other": "o drafting"},
+                       lanes={"plain": "0", "spec": "0", "other": "1"},
+                       engines={"plain": "e", "spec": "e", "other": "o"},
+                       slots={"plain": 4, "spec": 4, "other": 4}, drafting=frozenset({"spec", "other"}),
+                       keys={"e": "k1", "e drafting": "k2", "o drafting": "k3"}))
+    for stream in ("e", "e drafting", "o drafting"):
+        costs.add_prefill(stream, 100, 0.1)
+        costs.add_step(stream, 1, 0.01)
+    copying = feats(prompt_tokens=150, prompt_repeat=0.6)
+    assert costs.predictor(copying).explore("spec", "plain", 2) == (0, "general/2^8/repeat2")
+    assert costs.predictor(copying).explore("plain", "spec", 2) is None  # a plain step is the same for any text
+    assert costs.predictor(copying).explore("spec", "spec", 2) is None  # the fastest's own stream
+    assert costs.predictor(replace(copying, in_flight_by_mode={"plain": 1})).explore("spec", "other", 2) is None
+    assert costs.predictor(replace(copying, in_flight_by_mode={"other": 1})).explore("spec", "other", 2) == \
+        (0, "general/2^8/repeat2")  # another core's load is not its lane's
+
+    def served(mode, f):
+        costs.observe(Completed(mode, f, "ok", 0.1, 0.01, 0.5, f.prompt_tokens, 32, 1.0, "estimated", False, False))
+
+    served("spec", copying)
+    assert costs.predictor(copying).explore("spec", "plain", 2) == (1, "general/2^8/repeat2")
+    served("spec", copying)
+    assert costs.predictor(copying).explore("spec", "plain", 2) is None  # measured on its kind
+    assert costs.predictor(feats(prompt_tokens=40)).explore("spec", "plain", 2) == (0, "general/2^6/repeat0")
+    assert costs.predictor(copying).explore("other", "plain", 2) == (0, "general/2^8/repeat2")  # its own count
+    costs.install("e drafting", StreamCosts.load(costs.stream("e drafting").dump() | {"served_by_kind": {}}))
+    assert costs.stream("e drafting").served == {"general/2^8/repeat2": 2}  # a calibration keeps the counts
+    costs.save()
+    again = CostModel(tmp_path / "costs.json")
+    again.bind(costs.binding)
+    assert again.stream("e drafting").served == {"general/2^8/repeat2": 2}
+    assert again.describe()["streams"]["e drafting"]["served_by_kind"] == {"general/2^8/repeat2": 2}
+
+
+def test_a_policy_that_explores_sends_a_request_to_a_near_runner_up_its_stream_has_not_measured_on_its_kind():
+    """With ``explore``, the first mode predicted within its factor of the fastest that ``predict.explore`` names
+    serves, and the reason says so (the fastest is then the runner-up); beyond the factor, or once measured, the
+    fastest serves. A policy without it never explores."""
+    from modeswitch.controller.costs import Prediction
+
+    plain = "name: p\norder: predicted\nrules: []\ndefault: [speculative, int8+prefix_cache, int8+speculative]\n"
+    policy = policy_from(plain + "explore: {within: 1.5, requests: 2}\n")
+    assert policy.describe()["explore"] == {"within": 1.5, "requests": 2}
+    times = {"speculative": 1.0, "int8+speculative": 1.4, "int8+prefix_cache": 1.2}
+    served = {"int8+speculative": 0}
+
+    def predict(mode):
+        return Prediction(times[mode], 0.0, 0.0, 0.1, times[mode] - 0.1) if mode in times else None
+
+    def explore(mode, than, under):
+        assert than == "speculative" and under == 2
+        n = served.get(mode)
+        return (n, "general/2^8/repeat2") if n is not None and n < under else None
+
+    predict.explore = explore
+    choice = policy.choose(feats(), {}, predict)
+    assert choice.mode == "int8+speculative" and choice.prediction["runner_up"]["mode"] == "speculative"
+    assert "exploring" in choice.reason and "served 0 request(s) of this kind (general/2^8/repeat2)" in choice.reason
+    served["int8+speculative"] = 2
+    assert policy.choose(feats(), {}, predict).mode == "speculative"
+    served["int8+speculative"] = 0
+    times["int8+speculative"] = 1.6  # beyond 1.5x the fastest
+    assert policy.choose(feats(), {}, predict).mode == "speculative"
+    times["int8+speculative"] = 1.4
+    assert policy_from(plain).choose(feats(), {}, predict).mode == "speculative"
+    for bad, why in (("{within: 0.9, requests: 2}", "at least 1"), ("{within: 1.2}", "is required"),
+                     ("{within: 1.2, requests: 0}", "at least 1"), ("{within: 1.2, requests: 2, k: 1}", "unknown")):
+        with pytest.raises(ConfigError, match=why):
+            policy_from(plain + f"explore: {bad}\n")
+
+
 def test_the_server_measures_its_engines_and_routes_to_the_faster_then_flips_when_it_slows(make_app):
     """Two engines on one core, one 3x slower per token (int8 on an AVX2 CPU, say): calibration measures both and the default
     policy sends every request to the faster; when that engine slows down below the other, its finished requests
@@ -619,7 +698,7 @@ def test_an_unmeasured_speculative_mode_masks_nothing(make_app):
     prior, and the speculation gain is the measured pair's alone."""
     modes = ["prefix_cache", "speculative", "int8+prefix_cache", "int8+speculative"]
     scripts = {m: Script(token_s=0.002, batch=4) for m in modes}
-    app = make_app(modes=modes, policy=FASTEST, scripts=scripts)
+    app = make_app(modes=modes, policy=PREDICTED_ONLY, scripts=scripts)
     costs = app.service.costs
     assert set(costs.binding.pairs) == {"speculative", "int8+speculative"}
     for stream in ("prefix_cache", "int8+prefix_cache", "int8+speculative drafting"):
