@@ -276,7 +276,8 @@ def test_prefix_match_feature_reports_what_the_engine_will_reuse(vllm_server):
 def test_the_engines_measure_their_costs_and_the_default_policy_picks_the_predicted_fastest(vllm_server):
     """Each vLLM engine measures its prefill and step costs here behind the requests (calibration); the default
     policy then sends a request to the admitted mode predicted to finish it first, and says so with the
-    runner-up's prediction."""
+    runner-up's prediction, or, exploring, to a drafting mode predicted near it that has not served its kind of
+    request yet (the fastest is then the runner-up)."""
     from modeswitch.serving.launcher import wait_calibrated
 
     wait_calibrated(vllm_server, 600)
@@ -293,7 +294,10 @@ def test_the_engines_measure_their_costs_and_the_default_policy_picks_the_predic
     info = body["modeswitch"]
     chosen, runner_up = info["prediction"]["chosen"], info["prediction"]["runner_up"]
     assert info["mode"] == chosen["mode"] and "predicted" in info["reason"], info["reason"]
-    assert chosen["total_s"] <= runner_up["total_s"] and chosen["decode_s"] > 0
+    slack = requests.get(vllm_server + "/admin/policy", timeout=30).json()["explore"]["within"] \
+        if "exploring" in info["reason"] else 1.0
+    assert chosen["total_s"] <= runner_up["total_s"] * slack and chosen["decode_s"] > 0
+    assert slack == 1.0 or "of this kind (fresh/" in info["reason"], info["reason"]  # a task no request had
 
 
 def test_an_engine_counts_the_prompts_it_computed_before_and_beside_a_request(vllm_server):
