@@ -14,7 +14,7 @@ order: listed        # listed: the first mode of the list that passes the gates;
                      # predicted within latency_slack of the first, the one of least predicted joules (a rule may
                      # say its own)
 latency_slack: 1.25  # with order: energy, how much longer than the fastest a request may be predicted to take
-explore: {within: 1.5, requests: 3}   # with order: predicted, optional: see below
+explore: {within: 1.5, requests: 2}   # with order: predicted, optional: see below
 fallback: [fp16]                             # tried after a rule's (or the default's) own list
 quality: {max_drop_pp: 1.0}                  # the quality gate's tolerances (see QualityPolicy)
 energy: {max_j_per_token: 2.0, modes: {int8: 1.0}}   # energy gate: caps on each mode's running J/token
