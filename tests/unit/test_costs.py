@@ -840,7 +840,8 @@ def test_a_staged_start_leads_with_the_weights_measured_fastest_only_where_the_g
     from modeswitch.resources import shipped_report
 
     report = read_report(shipped_report("demo", "vllm"))
-    scored = runs(report)[-1]["kernels"]["int8+prefix_cache"]
+    # the float32 kernels' run, where int8's perplexity rose more than 5 % (+8.8 %)
+    scored = [r for r in runs(report) if r["kernels"]["fp16"]["compute"] == "float32"][-1]["kernels"]["int8+prefix_cache"]
     specs, first = load_modes(), ("prefix_cache", "fp16", "int8+prefix_cache", "int8")
 
     def lead(steps: dict, card=scored, quality=QualityPolicy()) -> str:
