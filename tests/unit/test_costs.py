@@ -835,13 +835,12 @@ def test_a_staged_start_leads_with_the_weights_measured_fastest_only_where_the_g
     from modeswitch.compose import lead_by_measurement
     from modeswitch.controller.costs import Measured
     from modeswitch.controller.gates import quality_verdict
-    from modeswitch.controller.quality import QualityPolicy, read_report, runs
+    from modeswitch.controller.quality import QualityPolicy, read_report
     from modeswitch.modes import load_modes
     from modeswitch.resources import shipped_report
 
     report = read_report(shipped_report("demo", "vllm"))
-    # the float32 kernels' run, where int8's perplexity rose more than 5 % (+8.8 %)
-    scored = [r for r in runs(report) if r["kernels"]["fp16"]["compute"] == "float32"][-1]["kernels"]["int8+prefix_cache"]
+    scored = shipped_run(compute="float32")["kernels"]["int8+prefix_cache"]  # int8's perplexity there: +8.8 %
     specs, first = load_modes(), ("prefix_cache", "fp16", "int8+prefix_cache", "int8")
 
     def lead(steps: dict, card=scored, quality=QualityPolicy()) -> str:
