@@ -59,7 +59,7 @@ curve yet predicts nothing (``None``): it is never compared on a guess, so one m
 mask another's measured cost.
 
 Each stream also counts the finished requests it served by kind of request (``served``: task, prompt length,
-repetition, as :class:`~.speculation.Kind`), which a policy that explores reads (``predict.explore``, :mod:`.rules`).
+repetition, as :class:`~.features.Kind`), which a policy that explores reads (``predict.explore``, :mod:`.rules`).
 
 The measurements are kept per engine *key* (machine, model, engine configuration: what makes the costs
 valid) in a JSON file, so a restart on the same machine starts with what the last run measured.
@@ -79,7 +79,6 @@ from ..files import replace_whole
 from .completed import Completed
 from .curves import Curve, StreamCosts
 from .features import Features
-from .speculation import Kind
 from .speculation import tokens_per_step as tokens_per_target_step
 
 log = logging.getLogger(__name__)
@@ -404,7 +403,7 @@ class CostModel:
 
     def _count(self, stream: str, features: Features) -> None:
         """One more request of its kind served by ``stream``."""
-        kind = Kind.of(features.task, features.prompt_tokens, features.prompt_repeat).name
+        kind = features.kind.name
         costs = self.stream(stream)
         with self._lock:
             costs.served[kind] = costs.served.get(kind, 0) + 1
@@ -555,7 +554,7 @@ class CostModel:
             if costs is None or (busy and lane_state(place[1])[:2] != (0, 0)):
                 return None
             if not kind:
-                kind.append(Kind.of(features.task, prompt, features.prompt_repeat).name)
+                kind.append(features.kind.name)
             served = costs.served.get(kind[0], 0)
             return (served, kind[0]) if served < under else None
 

@@ -235,7 +235,7 @@ class StreamCosts:
     #: it waits for the step in flight and, on an engine that schedules its next step ahead, for that one too, and
     #: its own step carries their decodes
     join: Curve = field(default_factory=lambda: Curve(signed=True))
-    #: finished requests it served, by kind of request (``speculation.Kind.name``): what its curves have seen of a
+    #: finished requests it served, by kind of request (``features.Kind.name``): what its curves have seen of a
     #: kind, which a policy that explores reads (a curve fitted on other kinds predicts this one by extrapolation)
     served: dict[str, int] = field(default_factory=dict)
 

@@ -34,6 +34,25 @@ FEATURE_DOCS = {
 
 
 @dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of request, as drafting sees it: what the speculation model learns acceptance by and what a drafting
+    stream counts the requests it served by (a policy that explores reads those counts)."""
+
+    task: str
+    length: int   # log2 bucket of the prompt tokens
+    repeat: int   # prompt_repeat in quarters
+
+    @classmethod
+    def of(cls, task: str, prompt_tokens: int, repeat: float) -> "Kind":
+        return cls(task, max(prompt_tokens, 1).bit_length(), min(int(repeat * 4), 3))
+
+    @property
+    def name(self) -> str:
+        """As ``/v1/modes`` and the costs file show it: "general/2^8/repeat2"."""
+        return f"{self.task}/2^{self.length}/repeat{self.repeat}"
+
+
+@dataclass(frozen=True, slots=True)
 class Features:
     prompt_tokens: int
     max_tokens: int
@@ -68,6 +87,11 @@ class Features:
     speculation_gain: float | None = None
     #: the request options it sets, which the mode must honour (``SamplingParams.needs``; the capability gate)
     needs: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> Kind:
+        """This request's :class:`Kind`."""
+        return Kind.of(self.task, self.prompt_tokens, self.prompt_repeat)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -33,7 +33,7 @@ keeps the published table so).
 
 With ``explore`` an ordering by prediction also learns what it would not see otherwise: a request goes to a drafting
 mode predicted within ``within`` times the fastest one's time whose engine stream has served fewer than
-``requests`` of its kind (task, prompt length, how much the prompt repeats itself: :class:`~.speculation.Kind`),
+``requests`` of its kind (task, prompt length, how much the prompt repeats itself: :class:`~.features.Kind`),
 where nothing runs on that mode's cores (:meth:`.costs.CostModel.predictor`'s ``explore``). A drafting stream's
 curves predict a kind it never served from the kinds it did, and nothing corrects a prediction that keeps a kind
 away: on the AVX2 EPYC the int8 drafting engine priced prose 20-25 % over what it took there, on the AVX-512 EPYC

@@ -24,6 +24,7 @@ from typing import NamedTuple, Sequence
 
 from ..modes import NGRAM_MAX, NGRAM_MIN
 from .completed import Completed
+from .features import Kind
 
 #: weight of each new observation in the running means (about the last ten of a kind)
 WEIGHT = 0.1
@@ -92,22 +93,6 @@ def tokens_per_step(tokens: int, target_steps: int | None) -> float | None:
     return (tokens - 1) / (target_steps - 1) if target_steps and target_steps > 1 and tokens > 1 else None
 
 
-@dataclass(frozen=True, slots=True)
-class Kind:
-    task: str
-    length: int   # log2 bucket of the prompt tokens
-    repeat: int   # prompt_repeat in quarters
-
-    @classmethod
-    def of(cls, task: str, prompt_tokens: int, repeat: float) -> "Kind":
-        return cls(task, max(prompt_tokens, 1).bit_length(), min(int(repeat * 4), 3))
-
-    @property
-    def name(self) -> str:
-        """As ``/v1/modes`` and the costs file show it: "general/2^8/repeat2"."""
-        return f"{self.task}/2^{self.length}/repeat{self.repeat}"
-
-
 class _Mean:
     """A running mean that weighs recent observations more (exact while there are few)."""
 
@@ -163,11 +148,10 @@ class SpeculationModel:
         """Learn acceptance and the tokens drafted from the replay of any finished generation."""
         if completed.outcome != "ok" or completed.scoring or completed.completion_tokens < 2:
             return
-        f = completed.features
         replay = ngram_replay(completed.prompt_ids, completed.output_ids, self.k)
         steps = max(replay.steps, 1)
         tau = len(completed.output_ids) / steps
-        kind = Kind.of(f.task, f.prompt_tokens, f.prompt_repeat)
+        kind = completed.features.kind
         with self._lock:
             self._accept.setdefault(kind, _Mean()).add(tau)
             self._drafted.setdefault(kind, _Mean()).add(replay.drafted / steps)
