@@ -10,12 +10,14 @@ of memory (8 MiB by default; more than the last-level cache leaves it as the eng
 256x256 matmul (``cold``: the caches as a model step leaves them), and prints p50/p90 of the thread's CPU time;
 then both again on an idle server (the same requests, nothing in flight): the part of a decision no load adds to;
 then what the server does per request on that idle server, its features (``Service.features``: the prefix
-matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold; and last the
-decisions again, cold, with the cost model's predictions free (every mode answered one fixed prediction at once):
-what the rest of a decision costs (gates, the policy's choice, its record), which no work on the predictions
-takes off.
+matches, the memory reading, the drafting estimate, the counts) and then the decision, warm and cold; then the
+decisions each after the thread slept ``--idle-ms`` (``after idle``: a lull's server between two requests, its core
+idle; on a virtual machine the host may run other work on that core meanwhile, which no walk here imitates); and
+last the decisions again, cold and after idle, with the cost model's predictions free (every mode answered one
+fixed prediction at once): what the rest of a decision costs (gates, the policy's choice, its record), which no work
+on the predictions takes off.
 
-    .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--evict-mib 8] [--tag T] [--profile]
+    .venv/bin/python benchmarks/decision_cost.py [--decisions 3000] [--evict-mib 8] [--idle-ms 2] [--tag T] [--profile]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeswitch.bench.report import processor, save_results  # noqa: E402
@@ -103,8 +106,9 @@ def requests_in_flight(modes: list[str], n: int) -> list[Features]:
     return out
 
 
-#: the memory :func:`evict` walks (``--evict-mib``)
+#: the memory :func:`evict` walks (``--evict-mib``), and the seconds :func:`pause` sleeps (``--idle-ms``)
 _SPILL = bytearray(8 << 20)
+_IDLE_S = 0.002
 
 
 def evict() -> None:
@@ -115,24 +119,30 @@ def evict() -> None:
     torch.randn(256, 256) @ torch.randn(256, 256)
 
 
-def time_decisions(controller, features: list[Features], cold: bool) -> list[float]:
+def pause() -> None:
+    """Leave the core idle a while, as a server's is between a lull's requests."""
+    time.sleep(_IDLE_S)
+
+
+def time_decisions(controller, features: list[Features], before: Callable[[], None] | None) -> list[float]:
+    """Each decision's CPU time, ``before`` called ahead of each (None: back to back)."""
     spent = []
     for f in features:
-        if cold:
-            evict()
+        if before is not None:
+            before()
         spent.append(controller.decide(f).decision_us)
     return spent
 
 
-def time_requests(service, n: int, cold: bool) -> list[float]:
+def time_requests(service, n: int, before: Callable[[], None] | None) -> list[float]:
     """The thread's CPU time of ``n`` requests' features and decision, as the server takes them per request:
     prompts of 20-600 tokens of their own, 48 tokens asked."""
     params = SamplingParams(max_tokens=48)
     spent = []
     for i in range(n):
         prompt = [(i * 7919 + j * 31) % 30000 for j in range(20 + (i * 37) % 580)]
-        if cold:
-            evict()
+        if before is not None:
+            before()
         start = time.thread_time_ns()
         service.controller.decide(service.features(prompt, params))
         spent.append((time.thread_time_ns() - start) / 1e3)
@@ -165,21 +175,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decisions", type=int, default=3000)
     ap.add_argument("--evict-mib", type=int, default=8, help="memory walked before each cold decision")
+    ap.add_argument("--idle-ms", type=float, default=2.0, help="the thread's sleep before each decision after idle")
     ap.add_argument("--tag", default="")
     ap.add_argument("--profile", action="store_true", help="print the warm decisions' profile instead")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
-    global _SPILL
-    _SPILL = bytearray(args.evict_mib << 20)
+    global _SPILL, _IDLE_S
+    _SPILL, _IDLE_S = bytearray(args.evict_mib << 20), args.idle_ms / 1e3
     with tempfile.TemporaryDirectory() as tmp:
         server = build(Path(tmp))
         try:
             controller = server.service.controller
             modes = list(controller.modes)
             features = requests_in_flight(modes, args.decisions)
-            time_decisions(controller, features[:200], cold=False)  # every cache the decision keeps, filled
+            time_decisions(controller, features[:200], None)  # every cache the decision keeps, filled
             if args.profile:
-                cProfile.runctx("time_decisions(controller, features, False)", globals(), locals(), "/tmp/decide.prof")
+                cProfile.runctx("time_decisions(controller, features, None)", globals(), locals(), "/tmp/decide.prof")
                 pstats.Stats("/tmp/decide.prof").sort_stats("tottime").print_stats(25)
                 return 0
             chosen = {}
@@ -191,27 +202,31 @@ def main() -> int:
             idle = [replace(f, in_flight_by_mode={}, prefilling_by_mode={}, decode_overlap_by_mode={}, queue_depth=0)
                     for f in features]
             rows = {}
-            for kind, cold, asked in (("warm", False, features), ("cold", True, features),
-                                      ("warm, idle server", False, idle), ("cold, idle server", True, idle),
-                                      ("features + decision, warm, idle server", False, None),
-                                      ("features + decision, cold, idle server", True, None)):
-                spent = time_decisions(controller, asked, cold) if asked is not None else \
-                    time_requests(server.service, len(features), cold)
+            for kind, before, asked in (("warm", None, features), ("cold", evict, features),
+                                        ("warm, idle server", None, idle), ("cold, idle server", evict, idle),
+                                        ("features + decision, warm, idle server", None, None),
+                                        ("features + decision, cold, idle server", evict, None),
+                                        ("after idle", pause, features), ("after idle, idle server", pause, idle)):
+                spent = time_decisions(controller, asked, before) if asked is not None else \
+                    time_requests(server.service, len(features), before)
                 rows[kind] = summary(spent)
             controller.costs.predictor = free_predictor
-            for kind, asked in (("cold, predictions free", features), ("cold, idle server, predictions free", idle)):
-                rows[kind] = summary(time_decisions(controller, asked, cold=True))
+            for kind, before, asked in (("cold, predictions free", evict, features),
+                                        ("cold, idle server, predictions free", evict, idle),
+                                        ("after idle, idle server, predictions free", pause, idle)):
+                rows[kind] = summary(time_decisions(controller, asked, before))
         finally:
             server.close()
     lines = [f"# A decision's CPU time, and a request's features with it ({len(modes)} modes resident, default policy, "
-             f"vLLM gate report; {processor()}); cold: after a walk over {args.evict_mib} MiB and a small matmul",
+             f"vLLM gate report; {processor()}); cold: after a walk over {args.evict_mib} MiB and a small matmul; "
+             f"after idle: after {args.idle_ms:g} ms asleep",
              "", "| caches | p50 | p90 | mean |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['p50_us']} us | {v['p90_us']} us | {v['mean_us']} us |" for k, v in rows.items()]
     lines += ["", f"Chosen over 200 of the decisions: {chosen}"]
     text = "\n".join(lines)
     print(text)
     save_results(args.out, "decision_cost", args.tag, {"modes": len(modes), "decisions": args.decisions,
-                                                        "evict_mib": args.evict_mib,
+                                                        "evict_mib": args.evict_mib, "idle_ms": args.idle_ms,
                                                         "rows": rows, "chosen": chosen}, text + "\n")
     return 0
 
