@@ -429,7 +429,7 @@ def parse_rules(sec: Section, known: set[str], common: dict[str, Any]) -> RulePo
         default=_mode_list(sec, "default", known),
         fallback=_mode_list(sec, "fallback", known, []),
         order=sec.get("order", str, RulePolicy.order, ORDERS),
-        latency_slack=_slack(sec),
+        latency_slack=_factor(sec, "latency_slack", RulePolicy.latency_slack),
         explore=_explore(sec),
         **common,
     )
@@ -440,18 +440,16 @@ def _explore(sec: Section) -> Explore | None:
     if raw is None:
         return None
     raw.only({"within", "requests"})
-    within = float(raw.get("within", (int, float)))
-    if within < 1:
-        raise raw.error(f"must be at least 1 (a factor of the fastest mode's predicted time), got {within:g}", "within")
+    within = _factor(raw, "within")
     requests = raw.get("requests", int)
     if requests < 1:
         raise raw.error(f"must be at least 1, got {requests}", "requests")
     return Explore(within, requests)
 
 
-def _slack(sec: Section) -> float:
-    value = float(sec.get("latency_slack", (int, float), RulePolicy.latency_slack))
+def _factor(sec: Section, key: str, *default: float) -> float:
+    """``key``: a factor of the fastest mode's predicted time (at least 1); required unless ``default`` is given."""
+    value = float(sec.get(key, (int, float), *default))
     if value < 1:
-        raise sec.error(f"must be at least 1 (a factor of the fastest mode's predicted time), got {value:g}",
-                        "latency_slack")
+        raise sec.error(f"must be at least 1 (a factor of the fastest mode's predicted time), got {value:g}", key)
     return value
