@@ -36,7 +36,8 @@ server (started once, its engines warm and measured) runs the same trace with ev
 for every mode it has available (the order of these traces rotating from one trace index to the next, so none
 always runs first), its row labelled ``<server> pinned <mode>``; the table then gives the best
 pinned mode's mean over the adaptive one's, per phase. Each pinned trace opens every prompt with a marker of its
-own (``phases``' salt): the same text, which the prefix caches the adaptive trace filled do not hold. ``--vllm ROW`` runs only the named static rows (repeatable).
+own (``phases``' salt): the same text, which the prefix caches the adaptive trace filled do not hold. ``--pin MODE``
+(repeatable) pins only to the modes named. ``--only LABEL`` (repeatable) runs only the rows of those labels.
 
     .venv/bin/python benchmarks/changing.py [--model demo] [--repeats 2] [--rounds 1] [--w8a8-peer] [--pinned]
 """
